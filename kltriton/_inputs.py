@@ -1,0 +1,160 @@
+"""Input checks and the label layout shared by every public op.
+
+Everything here is ``O(N)`` work on the label side. It turns ``labels`` / ``mask`` /
+``ignore_index`` / ``cu_seqlens`` / ``shift_labels`` into one flat ``target`` (see
+``kltriton.kernels``) so the kernels only ever see ``[N, V]`` rows and a label per row.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+_VALIDATE = True
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SKIP, OUT_OF_RANGE = -1, -2
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the host-side value checks on (default) or off.
+
+    The checks that need the data on the host (labels inside ``[0, V)``, ``cu_seqlens``
+    well formed) synchronize with the device; switch them off in hot loops. Kernels never
+    read out of bounds either way: an out-of-range label then gives NaN at its position.
+    """
+    global _VALIDATE
+    _VALIDATE = bool(enabled)
+
+
+def validation_enabled() -> bool:
+    return _VALIDATE
+
+
+class Layout(NamedTuple):
+    target: torch.Tensor        # [N] int64: label, -1 not scored, -2 label out of range
+    shape: torch.Size           # S, the leading shape of the logits (shape of every output)
+    num_seqs: int               # sequences: rows of [B, T], segments of cu_seqlens, else 1
+    seq_index: Optional[torch.Tensor]  # [N] int64 sequence of each position (when asked for)
+
+
+def stats_dtype(logits: torch.Tensor) -> torch.dtype:
+    """Dtype of every ``[N]`` result: float32, or float64 for float64 logits (the oracle)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def check_logits(logits, name="logits"):
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16 (float64 on the reference "
+                        f"backend), got {logits.dtype}")
+    if logits.dim() < 1:
+        raise ValueError(f"{name} must have shape [..., V], got a 0-dim tensor")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty vocabulary dimension (V == 0)")
+
+
+def check_temperature(temperature):
+    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return float(temperature)
+
+
+def _check_same_leading(name, tensor, logits, integer=False, boolean=False):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {tensor.dtype}")
+    if boolean and tensor.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {tensor.dtype}")
+    if tuple(tensor.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{name} must have shape {tuple(logits.shape[:-1])} (the logits' leading "
+                         f"shape), got {tuple(tensor.shape)}")
+    if tensor.device != logits.device:
+        raise ValueError(f"{name} is on {tensor.device} but logits are on {logits.device}")
+
+
+def _check_cu_seqlens(cu_seqlens, logits):
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if logits.dim() != 2:
+        raise ValueError(f"cu_seqlens needs flat packed logits [N, V], got shape {tuple(logits.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != logits.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {logits.device}")
+    if _VALIDATE:
+        n = logits.shape[0]
+        first, last = cu_seqlens[0].item(), cu_seqlens[-1].item()
+        if first != 0 or last != n:
+            raise ValueError(f"cu_seqlens must start at 0 and end at N={n}, got {first} ... {last}")
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+
+
+def _shift_left(tensor, fill, sequence_ends):
+    """``tensor[t + 1]`` at position ``t`` along the last dim; ``fill`` where no next token exists."""
+    shifted = torch.full_like(tensor, fill)
+    shifted[..., :-1] = tensor[..., 1:]
+    if sequence_ends is not None:
+        shifted[sequence_ends] = fill
+    return shifted
+
+
+def _last_positions(cu_seqlens, n):
+    """Flat index of the last position of every packed segment.
+
+    An empty segment starting at ``k`` yields ``k - 1``, which is always the last position of
+    the segment before it (``-1`` wraps to ``N - 1``, the last position of all), so the result
+    is right without filtering empty segments (which would need a host sync).
+    """
+    return torch.remainder(cu_seqlens[1:].long() - 1, n)
+
+
+def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False) -> Layout:
+    """Validate the label-side arguments against ``logits`` and build the flat ``target``."""
+    _check_same_leading("labels", labels, logits, integer=True)
+    if mask is not None:
+        _check_same_leading("mask", mask, logits, boolean=True)
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, logits)
+    shape = logits.shape[:-1]
+    vocab = logits.shape[-1]
+    n = labels.numel()
+    if shift_labels and labels.dim() == 0:
+        raise ValueError("shift_labels=True needs labels with a time dimension")
+
+    labels = labels.long()
+    if shift_labels and n:
+        ends = _last_positions(cu_seqlens, n) if cu_seqlens is not None else None
+        labels = _shift_left(labels, ignore_index, ends)
+        if mask is not None:
+            mask = _shift_left(mask, False, ends)
+    scored = labels != ignore_index
+    if mask is not None:
+        scored = scored & mask
+    in_range = (labels >= 0) & (labels < vocab)
+    if _VALIDATE and n and bool((scored & ~in_range).any()):
+        bad = labels[scored & ~in_range][0].item()
+        raise ValueError(f"labels must lie in [0, V={vocab}) or equal ignore_index={ignore_index}; found {bad}")
+    target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
+
+    seq_index = None
+    if labels.dim() >= 2:
+        num_seqs = n // shape[-1] if shape[-1] else shape[:-1].numel()
+        if with_seq_index:
+            seq_index = torch.arange(n, device=logits.device) // max(shape[-1], 1)
+    elif cu_seqlens is not None:
+        num_seqs = cu_seqlens.numel() - 1
+        if with_seq_index:
+            positions = torch.arange(n, device=logits.device, dtype=cu_seqlens.dtype)
+            seq_index = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+    else:
+        num_seqs = 1
+        if with_seq_index:
+            seq_index = torch.zeros(n, dtype=torch.long, device=logits.device)
+    return Layout(target.contiguous(), shape, num_seqs, seq_index)

@@ -1,0 +1,219 @@
+"""Triton backend: one program per row, streaming over the vocab in ``BLOCK_V`` chunks.
+
+Forward keeps an online max ``m`` of the raw logits and sums of ``exp((x - m) / T)``,
+so nothing of size ``[N, V]`` is written and a row is read once (policy and reference
+rows in the same loop). Backward recomputes the probabilities from the saved fp32
+log-sum-exp. See ``kltriton.kernels`` for the exact contract.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kltriton._rows import as_rows3d, num_rows
+from kltriton.kernels import StreamStats
+
+NEG_INF = float("-inf")
+
+
+def _block_v(vocab: int) -> int:
+    # Large blocks amortise the per-iteration cost (and the interpreter's ~1 ms per
+    # iteration on CPU); 4096 fp32 values per iteration keep registers in check on GPU.
+    return min(4096, triton.next_power_of_2(max(vocab, 16)))
+
+
+@triton.jit
+def _row_offset(row, rows_per_outer, outer_stride, inner_stride):
+    """Element offset of row ``row`` of an ``[A, B, V]`` view (``B = rows_per_outer``)."""
+    row = row.to(tl.int64)
+    return (row // rows_per_outer) * outer_stride + (row % rows_per_outer) * inner_stride
+
+
+@triton.jit
+def _clamp_nonpositive(logp):
+    # tl.minimum drops NaN by default (GPU min.f32 returns the other operand); keep it.
+    return tl.minimum(logp, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _online_update(x, m, s, inv_temperature):
+    """Fold a block ``x`` of raw logits into a running (max, sum of exp((x - max) / T)).
+
+    Returns the new max, its finite stand-in (0 while the row is all ``-inf``: ``-inf - -inf``
+    would be NaN), the factor the old sums are rescaled by, ``z = (x - max) / T`` and ``exp(z)``.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = tl.exp((m - m_safe) * inv_temperature)
+    z = (x - m_safe) * inv_temperature
+    e = tl.exp(z)
+    return m_new, m_safe, alpha, z, e, s * alpha + tl.sum(e, axis=0)
+
+
+@triton.jit
+def _stream_forward_kernel(
+    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or dummy
+    target_ptr,                 # [N] int64: label, -1 skip, -2 out-of-range label
+    logp_ptr, lse_ptr,          # [N] fp32 outputs
+    entropy_ptr,                # [N] fp32 (written when WITH_ENTROPY)
+    ref_logp_ptr, ref_lse_ptr,  # [N] fp32 (written when HAS_REF)
+    full_kl_ptr,                # [N] fp32 (written when WITH_FULL_KL)
+    vocab, inv_temperature,
+    HAS_REF: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    target = tl.load(target_ptr + row)
+    if target < 0:
+        # Not scored: never read the row. -1 -> 0.0, -2 (label out of range) -> NaN.
+        skipped = tl.where(target == -1, 0.0, float("nan"))
+        tl.store(logp_ptr + row, skipped)
+        tl.store(lse_ptr + row, 0.0)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, skipped)
+        if HAS_REF:
+            tl.store(ref_logp_ptr + row, skipped)
+            tl.store(ref_lse_ptr + row, 0.0)
+        if WITH_FULL_KL:
+            tl.store(full_kl_ptr + row, skipped)
+    else:
+        x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+        m_x = float("-inf")
+        s_x = 0.0
+        t_x = 0.0   # sum exp(z) * z, for the entropy
+        m_y = float("-inf")
+        s_y = 0.0
+        u = 0.0     # sum exp(zx) * (zx - zy), for the full KL
+        m_x_safe = 0.0
+        m_y_safe = 0.0
+        for start in range(0, vocab, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            in_vocab = offs < vocab
+            x = tl.load(x_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            s_x_old = s_x
+            m_x_safe_old = m_x_safe
+            m_x, m_x_safe, alpha_x, z_x, e_x, s_x = _online_update(x, m_x, s_x, inv_temperature)
+            if WITH_ENTROPY:
+                delta = (m_x_safe - m_x_safe_old) * inv_temperature
+                t_x = tl.where(s_x_old > 0, alpha_x * (t_x - delta * s_x_old), 0.0)
+                t_x += tl.sum(tl.where(x == NEG_INF, 0.0, e_x * z_x), axis=0)
+            if HAS_REF:
+                y = tl.load(y_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+                m_y_safe_old = m_y_safe
+                m_y, m_y_safe, alpha_y, z_y, e_y, s_y = _online_update(y, m_y, s_y, inv_temperature)
+                if WITH_FULL_KL:
+                    shift = ((m_x_safe - m_x_safe_old) - (m_y_safe - m_y_safe_old)) * inv_temperature
+                    u = tl.where(s_x_old > 0, alpha_x * (u - shift * s_x_old), 0.0)
+                    u += tl.sum(tl.where(x == NEG_INF, 0.0, e_x * (z_x - z_y)), axis=0)
+        log_s_x = tl.log(s_x)
+        x_label = tl.load(x_row + target).to(tl.float32)
+        tl.store(logp_ptr + row, _clamp_nonpositive((x_label - m_x_safe) * inv_temperature - log_s_x))
+        tl.store(lse_ptr + row, m_x_safe * inv_temperature + log_s_x)
+        if WITH_ENTROPY:
+            tl.store(entropy_ptr + row, log_s_x - t_x / s_x)
+        if HAS_REF:
+            log_s_y = tl.log(s_y)
+            y_label = tl.load(y_row + target).to(tl.float32)
+            tl.store(ref_logp_ptr + row, _clamp_nonpositive((y_label - m_y_safe) * inv_temperature - log_s_y))
+            tl.store(ref_lse_ptr + row, m_y_safe * inv_temperature + log_s_y)
+            if WITH_FULL_KL:
+                tl.store(full_kl_ptr + row, u / s_x - log_s_x + log_s_y)
+
+
+@triton.jit
+def _stream_backward_kernel(
+    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or dummy
+    grad_ptr,                   # [N, V] contiguous output, logits dtype
+    target_ptr,                 # [N] int64
+    lse_ptr, g_logp_ptr,        # [N] fp32
+    entropy_ptr, g_entropy_ptr,  # [N] fp32 (read when WITH_ENTROPY)
+    ref_lse_ptr, full_kl_ptr, g_full_kl_ptr,  # [N] fp32 (read when WITH_FULL_KL)
+    vocab, inv_temperature,
+    WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    grad_row = grad_ptr + row.to(tl.int64) * vocab
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    # Skipped rows and rows without a distribution (all -inf logits) get a zero gradient.
+    live = (target >= 0) & (lse > NEG_INF)
+    g_logp = tl.where(live, tl.load(g_logp_ptr + row), 0.0)
+    x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+    y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    if WITH_ENTROPY:
+        entropy = tl.load(entropy_ptr + row)
+        g_entropy = tl.where(live, tl.load(g_entropy_ptr + row), 0.0)
+    if WITH_FULL_KL:
+        ref_lse = tl.load(ref_lse_ptr + row)
+        full_kl = tl.load(full_kl_ptr + row)
+        g_full_kl = tl.where(live, tl.load(g_full_kl_ptr + row), 0.0)
+    read_limit = tl.where(live, vocab, 0)  # dead rows read nothing
+    for start in range(0, vocab, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        in_vocab = offs < vocab
+        read = offs < read_limit
+        x = tl.load(x_row + offs, mask=read, other=float("-inf")).to(tl.float32)
+        log_p = x * inv_temperature - lse
+        p = tl.exp(log_p)
+        grad = g_logp * (tl.where(offs == target, 1.0, 0.0) - p)
+        if WITH_ENTROPY:
+            grad -= g_entropy * tl.where(x == NEG_INF, 0.0, p * (log_p + entropy))
+        if WITH_FULL_KL:
+            y = tl.load(y_row + offs, mask=read, other=float("-inf")).to(tl.float32)
+            log_q = y * inv_temperature - ref_lse
+            grad += g_full_kl * tl.where(x == NEG_INF, 0.0, p * (log_p - log_q - full_kl))
+        grad = tl.where(live, grad * inv_temperature, 0.0)
+        tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def _view_args(tensor):
+    """(tensor, B, outer stride, inner stride) of the ``[A, B, V]`` row view."""
+    rows3d = as_rows3d(tensor)
+    return rows3d, rows3d.shape[1], rows3d.stride(0), rows3d.stride(1)
+
+
+def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
+    n, vocab = num_rows(logits), logits.shape[-1]
+    new = lambda wanted: torch.empty(n if wanted else 0, dtype=torch.float32, device=logits.device)  # noqa: E731
+    has_ref = ref_logits is not None
+    stats = StreamStats(new(True), new(True), new(with_entropy), new(has_ref), new(has_ref), new(with_full_kl))
+    if n == 0:
+        return stats
+    x_args = _view_args(logits)
+    y_args = _view_args(ref_logits) if has_ref else x_args
+    dummy = stats.logp
+    _stream_forward_kernel[(n,)](
+        *x_args, *y_args, target,
+        stats.logp, stats.lse,
+        stats.entropy if with_entropy else dummy,
+        stats.ref_logp if has_ref else dummy, stats.ref_lse if has_ref else dummy,
+        stats.full_kl if with_full_kl else dummy,
+        vocab, 1.0 / temperature,
+        HAS_REF=has_ref, WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl,
+        BLOCK_V=_block_v(vocab),
+    )
+    return stats
+
+
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
+             g_full_kl, full_kl) -> torch.Tensor:
+    n, vocab = num_rows(logits), logits.shape[-1]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if n == 0:
+        return grad
+    with_entropy = g_entropy is not None
+    with_full_kl = g_full_kl is not None
+    x_args = _view_args(logits)
+    y_args = _view_args(ref_logits) if with_full_kl else x_args
+    _stream_backward_kernel[(n,)](
+        *x_args, *y_args, grad, target,
+        lse, g_logp,
+        entropy if with_entropy else lse, g_entropy if with_entropy else lse,
+        ref_lse if with_full_kl else lse, full_kl if with_full_kl else lse,
+        g_full_kl if with_full_kl else lse,
+        vocab, 1.0 / temperature,
+        WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl, BLOCK_V=_block_v(vocab),
+    )
+    return grad

@@ -1,0 +1,1 @@
+"""Public ops, each a registered ``torch.library`` custom op (``kltriton::<name>``)."""

@@ -1,0 +1,113 @@
+"""Plain PyTorch reference backend: the test oracle (run it in float64) and the fallback.
+
+Implements the backend interface documented in ``kltriton.kernels`` with ordinary tensor
+ops, a bounded chunk of rows at a time so memory stays ``O(chunk * V)`` whatever ``N`` is.
+It computes in float64 when given float64 logits, else in float32, and returns statistics
+in that precision (float64 results from float64 logits: the oracle for the tests).
+"""
+import torch
+
+from kltriton._rows import as_rows3d, num_rows
+from kltriton.kernels import StreamStats
+
+CHUNK_ELEMENTS = 1 << 22  # rows per chunk = CHUNK_ELEMENTS // V (about 32 MiB of fp64 per temporary)
+
+
+def _chunks(n_rows: int, vocab: int):
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n_rows, step):
+        yield start, min(start + step, n_rows)
+
+
+def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _take_rows(rows3d: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` (flat indices) of a ``[A, B, V]`` view as a ``[len(rows), V]`` tensor."""
+    width = rows3d.shape[1]
+    return rows3d[rows // width, rows % width].to(dtype)
+
+
+def _log_softmax_rows(rows: torch.Tensor, temperature: float):
+    scaled = rows / temperature
+    lse = torch.logsumexp(scaled, dim=-1)
+    return scaled - lse[:, None], lse
+
+
+def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``p * values`` with ``0 * (-inf)`` read as 0 (entries where the policy has no mass)."""
+    return torch.where(p > 0, p * values, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
+def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
+    n, vocab = num_rows(logits), logits.shape[-1]
+    device, acc = logits.device, _acc_dtype(logits)
+    empty = torch.empty(0, dtype=acc, device=device)
+    logp = torch.zeros(n, dtype=acc, device=device)
+    lse = torch.zeros_like(logp)
+    entropy = torch.zeros_like(logp) if with_entropy else empty
+    ref_logp = torch.zeros_like(logp) if ref_logits is not None else empty
+    ref_lse = torch.zeros_like(logp) if ref_logits is not None else empty
+    full_kl = torch.zeros_like(logp) if with_full_kl else empty
+
+    rows3d = as_rows3d(logits)
+    ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
+    for start, stop in _chunks(n, vocab):
+        tgt = target[start:stop]
+        keep = torch.nonzero(tgt >= 0).squeeze(1)
+        if keep.numel() == 0:
+            continue
+        rows = start + keep
+        label = tgt[keep][:, None]
+        logp_all, row_lse = _log_softmax_rows(_take_rows(rows3d, rows, acc), temperature)
+        dead = row_lse == float("-inf")  # an all -inf row has no distribution: NaN like torch
+        logp[rows] = logp_all.gather(1, label).squeeze(1).clamp(max=0)
+        lse[rows] = row_lse
+        p = logp_all.exp()
+        if with_entropy:
+            h = -_p_times(p, logp_all).sum(-1)
+            entropy[rows] = h.masked_fill(dead, float("nan"))
+        if ref3d is not None:
+            logq_all, row_ref_lse = _log_softmax_rows(_take_rows(ref3d, rows, acc), temperature)
+            ref_logp[rows] = logq_all.gather(1, label).squeeze(1).clamp(max=0)
+            ref_lse[rows] = row_ref_lse
+            if with_full_kl:
+                kl = _p_times(p, logp_all - logq_all).sum(-1)
+                full_kl[rows] = kl.masked_fill(dead, float("nan"))
+    bad = target == -2
+    for out in (logp, entropy, ref_logp, full_kl):
+        if out.numel():
+            out.masked_fill_(bad, float("nan"))
+    return StreamStats(logp, lse, entropy, ref_logp, ref_lse, full_kl)
+
+
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
+             g_full_kl, full_kl) -> torch.Tensor:
+    n, vocab = num_rows(logits), logits.shape[-1]
+    acc = _acc_dtype(logits)
+    grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad2d = grad.view(n, vocab)
+    rows3d = as_rows3d(logits)
+    ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
+    for start, stop in _chunks(n, vocab):
+        tgt = target[start:stop]
+        keep = torch.nonzero((tgt >= 0) & torch.isfinite(lse[start:stop])).squeeze(1)
+        if keep.numel() == 0:
+            continue
+        rows = start + keep
+        x = _take_rows(rows3d, rows, acc) / temperature
+        logp_all = x - lse[rows].to(acc)[:, None]
+        p = logp_all.exp()
+        g = -g_logp[rows].to(acc)[:, None] * p
+        g.scatter_add_(1, tgt[keep][:, None], g_logp[rows].to(acc)[:, None])
+        if g_entropy is not None:
+            h = entropy[rows].to(acc)[:, None]
+            g -= g_entropy[rows].to(acc)[:, None] * _p_times(p, logp_all + h)
+        if g_full_kl is not None:
+            y = _take_rows(ref3d, rows, acc) / temperature
+            logq_all = y - ref_lse[rows].to(acc)[:, None]
+            kl = full_kl[rows].to(acc)[:, None]
+            g += g_full_kl[rows].to(acc)[:, None] * _p_times(p, logp_all - logq_all - kl)
+        grad2d[rows] = (g / temperature).to(grad.dtype)
+    return grad

@@ -1,0 +1,55 @@
+"""Test helpers: fresh random inputs and the float64 oracle tolerances."""
+import torch
+
+EPS32 = 2.0 ** -23
+# Rounding of the stored gradient to the logits dtype, relative: one ulp for bf16 because
+# Triton's CPU interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest,
+# half an ulp); half an ulp for fp16 and fp32.
+GRAD_RTOL = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -11}
+
+
+def random_logits(shape, dtype, scale=3.0, generator=None):
+    """Fresh normal logits (never zeros), rounded to ``dtype``."""
+    return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+
+def random_labels(shape, vocab, ignore_frac=0.2, ignore_index=-100):
+    labels = torch.randint(0, vocab, shape)
+    labels[torch.rand(shape) < ignore_frac] = ignore_index
+    return labels
+
+
+def value_atol(logits, temperature):
+    """fp32 accumulation on values of size |x| / T: a few ulps of that magnitude.
+
+    The kernels subtract the row max before scaling, so the error grows with the logits'
+    magnitude over T (as in PyTorch's own fp32 log_softmax), not with V.
+    """
+    finite = logits.float()[torch.isfinite(logits.float())]
+    scale = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0) / temperature
+    return 16 * EPS32 * scale
+
+
+def grad_tols(logits, temperature, upstream):
+    """(atol, rtol) for gradients: fp32 math through the saved log-sum-exp (error ~ eps * |lse|),
+    then rounding to the logits dtype."""
+    g = upstream.abs().max().item() if upstream.numel() else 1.0
+    return value_atol(logits, temperature) * max(g, 1.0) * 4, GRAD_RTOL[logits.dtype]
+
+
+def assert_close(actual, expected, atol, rtol=0.0, what=""):
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), f"{what}: NaN positions differ"
+    both = ~torch.isnan(actual)
+    a, e = actual[both], expected[both]
+    assert torch.equal(torch.isinf(a), torch.isinf(e)) and torch.equal(a[torch.isinf(a)], e[torch.isinf(e)]), \
+        f"{what}: infinities differ"
+    fin = torch.isfinite(a)
+    err = (a[fin] - e[fin]).abs()
+    bound = atol + rtol * e[fin].abs()
+    if err.numel():
+        worst = (err - bound).argmax()
+        assert bool((err <= bound).all()), (
+            f"{what}: max excess at {worst.item()}: |{a[fin][worst].item()} - {e[fin][worst].item()}| "
+            f"= {err[worst].item():.3e} > {bound[worst].item():.3e}")
