@@ -43,16 +43,13 @@ def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
     device, acc = logits.device, _acc_dtype(logits)
-    empty = torch.empty(0, dtype=acc, device=device)
-    logp = torch.zeros(n, dtype=acc, device=device)
-    lse = torch.zeros_like(logp)
-    entropy = torch.zeros_like(logp) if with_entropy else empty
-    ref_logp = torch.zeros_like(logp) if ref_logits is not None else empty
-    ref_lse = torch.zeros_like(logp) if ref_logits is not None else empty
-    full_kl = torch.zeros_like(logp) if with_full_kl else empty
+    has_ref = ref_logits is not None
+    new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=device)  # noqa: E731
+    logp, lse, entropy = new(True), new(True), new(with_entropy)
+    ref_logp, ref_lse, full_kl = new(has_ref), new(has_ref), new(with_full_kl)
 
     rows3d = as_rows3d(logits)
-    ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
+    ref3d = as_rows3d(ref_logits) if has_ref else None
     for start, stop in _chunks(n, vocab):
         tgt = target[start:stop]
         keep = torch.nonzero(tgt >= 0).squeeze(1)
