@@ -1,0 +1,206 @@
+"""``fused_kl_reward``: KL-shaped per-token rewards, the function RLHF trainers call.
+
+The KL comes from the same single pass as ``token_kl``; the reward shaping and the
+per-sequence mean are a handful of vectorized ``[N]`` ops after it (no Python loop over
+sequences, no host sync, no second pass over the logits).
+"""
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from kltriton import _backends
+from kltriton._inputs import build_layout, check_logits, check_temperature
+from kltriton.ops.stream_backward import zeros_if_none
+from kltriton.ops.token_kl import check_estimator, kl_backward, kl_forward, kl_forward_fake, ref_is_logits
+
+
+class KLReward(NamedTuple):
+    reward: torch.Tensor        # S fp32
+    kl: torch.Tensor            # S fp32
+    logprobs: torch.Tensor      # S fp32
+    ref_logprobs: torch.Tensor  # S fp32
+    kl_per_seq: torch.Tensor    # [num_seqs] fp32
+
+
+def _scaled(coef: float, coef_tensor: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+    return values * (coef if coef_tensor is None else coef_tensor.to(values.dtype))
+
+
+def _valid_counts(target, seq_index, num_seqs, dtype):
+    """Scored positions per sequence (``-2`` positions count: their NaN must show in the mean)."""
+    scored = (target != -1).to(dtype)
+    return scored, torch.zeros(num_seqs, dtype=dtype, device=target.device).index_add_(0, seq_index, scored)
+
+
+def shape_rewards(kl, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip):
+    """``(reward [N], kl_per_seq [num_seqs])`` from the flat per-token ``kl``."""
+    scored, counts = _valid_counts(target, seq_index, num_seqs, kl.dtype)
+    kl_per_seq = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device).index_add_(0, seq_index, kl)
+    kl_per_seq = kl_per_seq / counts.clamp(min=1)
+    reward = -_scaled(coef, coef_tensor, kl)
+    if rewards is not None:
+        reward = reward + rewards.reshape(-1).to(kl.dtype)
+    if scores is not None:
+        positions = torch.arange(kl.numel(), device=kl.device)
+        last = torch.full((num_seqs,), -1, dtype=torch.long, device=kl.device).scatter_reduce(
+            0, seq_index, torch.where(scored > 0, positions, -1), reduce="amax", include_self=True)
+        bonus = scores.reshape(-1).to(kl.dtype)
+        if score_clip is not None:
+            bonus = bonus.clamp(-score_clip, score_clip)
+        # A sequence without a scored position (last == -1) adds 0 at position 0.
+        reward = reward.index_add(0, last.clamp(min=0), torch.where(last >= 0, bonus, torch.zeros_like(bonus)))
+    reward = torch.where(scored > 0, reward, torch.zeros_like(reward))
+    return reward, kl_per_seq
+
+
+@torch.library.custom_op("kltriton::fused_kl_reward", mutates_args=())
+def _fused_kl_reward_op(
+    logits: torch.Tensor,       # [..., V]
+    ref: torch.Tensor,          # [..., V] reference logits, or S reference log-probs
+    target: torch.Tensor,       # [N] int64
+    seq_index: torch.Tensor,    # [N] int64 sequence of each position
+    num_seqs: int,
+    coef: float,
+    coef_tensor: Optional[torch.Tensor],  # 0-dim; replaces coef when given
+    rewards: Optional[torch.Tensor],      # S or S + [1]
+    scores: Optional[torch.Tensor],       # [num_seqs]
+    score_clip: Optional[float],
+    estimator: str,
+    kl_clamp: Optional[float],
+    temperature: float,
+    backend: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl)``."""
+    kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward(logits, ref, target, estimator, kl_clamp, temperature, backend)
+    reward, kl_per_seq = shape_rewards(kl, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip)
+    return reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl
+
+
+@_fused_kl_reward_op.register_fake
+def _(logits, ref, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip, estimator,
+      kl_clamp, temperature, backend):
+    kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward_fake(logits, ref, target, estimator)
+    return kl.new_empty(kl.shape), kl, logp, ref_logp, kl.new_empty(num_seqs), lse, ref_lse, full_kl
+
+
+def _setup_context(ctx, inputs, output):
+    (logits, ref, target, seq_index, num_seqs, coef, coef_tensor, _, _, _,
+     estimator, kl_clamp, temperature, backend) = inputs
+    _, _, logp, ref_logp, _, lse, ref_lse, full_kl = output
+    coef_tensor = coef_tensor if coef_tensor is not None else torch.empty(0)
+    ctx.save_for_backward(logits, ref, target, seq_index, coef_tensor, logp, ref_logp, lse, ref_lse, full_kl)
+    ctx.args = (num_seqs, coef, estimator, kl_clamp, temperature, backend)
+
+
+def _backward(ctx, g_reward, g_kl, g_logp, g_ref_logp, g_kl_per_seq, g_lse, g_ref_lse, g_full_kl):
+    logits, ref, target, seq_index, coef_tensor, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
+    num_seqs, coef, estimator, kl_clamp, temperature, backend = ctx.args
+    g_kl = zeros_if_none(g_kl, lse)
+    if g_reward is not None:
+        g_kl = g_kl - _scaled(coef, coef_tensor if coef_tensor.numel() else None, g_reward)
+    if g_kl_per_seq is not None:
+        scored, counts = _valid_counts(target, seq_index, num_seqs, lse.dtype)
+        g_kl = g_kl + (g_kl_per_seq / counts.clamp(min=1))[seq_index] * scored
+    grad = kl_backward(logits, ref, target, estimator, kl_clamp, temperature, backend,
+                       logp, ref_logp, lse, ref_lse, full_kl, g_kl, zeros_if_none(g_logp, lse))
+    return (grad,) + (None,) * 13
+
+
+_fused_kl_reward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_coef(coef, logits):
+    if isinstance(coef, torch.Tensor):
+        if coef.dim() != 0 or not coef.dtype.is_floating_point:
+            raise ValueError(f"coef must be a float or a 0-dim floating tensor, got shape {tuple(coef.shape)} "
+                             f"{coef.dtype}")
+        if coef.device != logits.device:
+            raise ValueError(f"coef is on {coef.device} but logits are on {logits.device}")
+        return 0.0, coef.detach()
+    if not isinstance(coef, (int, float)):
+        raise TypeError(f"coef must be a float or a 0-dim tensor, got {type(coef).__name__}")
+    return float(coef), None
+
+
+def _check_rewards(rewards, logits):
+    if rewards is None:
+        return None
+    shape = tuple(logits.shape[:-1])
+    if not isinstance(rewards, torch.Tensor) or not rewards.dtype.is_floating_point:
+        raise TypeError("rewards must be a floating tensor")
+    if tuple(rewards.shape) not in (shape, shape + (1,)):
+        raise ValueError(f"rewards must have shape {shape} or {shape + (1,)}, got {tuple(rewards.shape)}")
+    if rewards.device != logits.device:
+        raise ValueError(f"rewards is on {rewards.device} but logits are on {logits.device}")
+    return rewards.detach()
+
+
+def _check_scores(scores, num_seqs, logits, score_clip):
+    if score_clip is not None:
+        if isinstance(score_clip, torch.Tensor) or not isinstance(score_clip, (int, float)) or not score_clip > 0:
+            raise ValueError(f"score_clip must be a positive float or None, got {score_clip!r}")
+        score_clip = float(score_clip)
+    if scores is None:
+        return None, score_clip
+    if not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
+        raise TypeError("scores must be a floating tensor of shape [num_seqs]")
+    if scores.numel() != num_seqs or scores.dim() > 2:
+        raise ValueError(f"scores must have shape [num_seqs] = [{num_seqs}], got {tuple(scores.shape)}")
+    if scores.device != logits.device:
+        raise ValueError(f"scores is on {scores.device} but logits are on {logits.device}")
+    return scores.detach(), score_clip
+
+
+def fused_kl_reward(
+    logits: torch.Tensor,
+    ref: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    coef=0.1,
+    estimator: str = "k1",
+    kl_clamp: Optional[float] = None,
+    scores: Optional[torch.Tensor] = None,
+    rewards: Optional[torch.Tensor] = None,
+    score_clip: Optional[float] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    shift_labels: bool = False,
+    backend: Optional[str] = None,
+) -> KLReward:
+    """KL-shaped per-token rewards: ``reward = rewards - coef * kl`` plus the clipped sequence score
+    at the last scored position of each sequence.
+
+    Args:
+        logits, ref, labels, estimator, kl_clamp, temperature, ignore_index, mask,
+            cu_seqlens, shift_labels, backend: as in ``token_kl``.
+        coef: KL coefficient, a float or a 0-dim tensor (read on the device, no host sync).
+        scores: optional ``[num_seqs]`` sequence-level scores (reward model outputs).
+        rewards: optional per-token rewards of shape ``S`` or ``S + [1]`` (torchrl's layout).
+        score_clip: clip ``scores`` to ``[-score_clip, score_clip]`` before adding them.
+
+    Sequences are the rows of a ``[B, T]`` layout, the segments of ``cu_seqlens``, or the whole
+    flat ``[N]`` layout.
+
+    Returns:
+        ``KLReward(reward, kl, logprobs, ref_logprobs, kl_per_seq)``: fp32 ``S`` tensors (0 where
+        not scored) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
+        positions (0 if it has none). Gradient flows to the policy ``logits`` through ``kl``.
+    """
+    check_logits(logits)
+    with_ref_logits = ref_is_logits(logits, ref)
+    estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
+    temperature = check_temperature(temperature)
+    coef, coef_tensor = _check_coef(coef, logits)
+    rewards = _check_rewards(rewards, logits)
+    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                          shift_labels=shift_labels, with_seq_index=True)
+    scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
+    backend = _backends.resolve(backend, logits)
+    reward, kl, logp, ref_logp, kl_per_seq, *_ = _fused_kl_reward_op(
+        logits, ref.detach(), layout.target, layout.seq_index, layout.num_seqs, coef, coef_tensor,
+        rewards, scores, score_clip, estimator, kl_clamp, temperature, backend)
+    shape = layout.shape
+    return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)
