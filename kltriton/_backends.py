@@ -7,6 +7,8 @@ neither imports Triton nor compiles anything, and never touches CUDA.
 import importlib
 import os
 
+import torch
+
 BACKENDS = ("triton", "cpp", "reference")
 _MODULES = {
     "triton": "kltriton.kernels.triton_stream",
@@ -39,27 +41,33 @@ def availability(name: str):
 
 def resolve(backend, logits):
     """The backend name to run ``logits`` (a tensor) with."""
+    return _resolve(backend, logits.device.type, logits.dtype == torch.float64)
+
+
+@torch.compiler.assume_constant_result
+def _resolve(backend, device_type: str, is_float64: bool) -> str:
+    # Plain values in, a string out: torch.compile runs this once while tracing and keeps
+    # the answer instead of tracing into the imports and availability checks.
     name = backend if backend is not None else os.environ.get("KLTRITON_BACKEND") or None
     if name is not None and name not in BACKENDS:
         source = "backend" if backend is not None else "KLTRITON_BACKEND"
         raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
-    on_cuda = logits.device.type == "cuda"
     if name is None:
-        if logits.dtype.is_floating_point and logits.dtype.itemsize == 8:
+        if is_float64:
             return "reference"
-        if on_cuda:
+        if device_type == "cuda":
             return "triton"
-        if logits.device.type == "cpu" and availability("cpp")[0]:
+        if device_type == "cpu" and availability("cpp")[0]:
             return "cpp"
         return "reference"
-    if name != "reference" and logits.dtype.itemsize == 8:
+    if name != "reference" and is_float64:
         raise TypeError(f"float64 logits run on the reference backend only, not backend={name!r}")
-    if name == "triton" and not on_cuda and not (logits.device.type == "cpu" and triton_interpreted()):
+    if name == "triton" and device_type != "cuda" and not (device_type == "cpu" and triton_interpreted()):
         raise ValueError(f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before kltriton is imported); logits are on {logits.device}")
+                         f"set before kltriton is imported); logits are on {device_type}")
     if name == "cpp":
-        if logits.device.type != "cpu":
-            raise ValueError(f"backend='cpp' needs CPU tensors; logits are on {logits.device}")
+        if device_type != "cpu":
+            raise ValueError(f"backend='cpp' needs CPU tensors; logits are on {device_type}")
         usable, why = availability("cpp")
         if not usable:
             raise RuntimeError(f"backend='cpp' is not available: {why}")

@@ -24,8 +24,10 @@ def set_validation(enabled: bool) -> None:
     _VALIDATE = bool(enabled)
 
 
-def validation_enabled() -> bool:
-    return _VALIDATE
+def host_checks() -> bool:
+    """Whether to run the checks that read values on the host: on unless switched off, and
+    never while ``torch.compile`` traces (a data-dependent branch would break the graph)."""
+    return _VALIDATE and not torch.compiler.is_compiling()
 
 
 class Layout(NamedTuple):
@@ -52,12 +54,25 @@ def check_logits(logits, name="logits"):
         raise ValueError(f"{name} has an empty vocabulary dimension (V == 0)")
 
 
-def check_temperature(temperature):
+def runtime_scalar(value, device) -> torch.Tensor:
+    """A python float as a 0-dim float64 tensor on ``device``, the form the custom ops take.
+
+    A float argument of a custom op is baked into the graph by ``torch.compile`` (a new value
+    recompiles); a tensor is data. Written as ``ones * value`` (kernels with the value as an
+    argument: no host-to-device copy) because Dynamo turns a traced float into a graph input
+    only where it meets tensor arithmetic, and would specialize ``torch.full((), value)``.
+    """
+    return torch.ones((), dtype=torch.float64, device=device) * value
+
+
+def check_temperature(temperature, device) -> torch.Tensor:
     if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
-    if not temperature > 0:
+    # While torch.compile traces, the float is a symbolic graph input: comparing it would
+    # specialize the graph on its value, so the range check runs in eager calls only.
+    if not torch.compiler.is_compiling() and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return float(temperature)
+    return runtime_scalar(temperature, device)
 
 
 def _check_same_leading(name, tensor, logits, integer=False, boolean=False):
@@ -85,7 +100,7 @@ def _check_cu_seqlens(cu_seqlens, logits):
         raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != logits.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {logits.device}")
-    if _VALIDATE:
+    if host_checks():
         n = logits.shape[0]
         first, last = cu_seqlens[0].item(), cu_seqlens[-1].item()
         if first != 0 or last != n:
@@ -138,7 +153,7 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     if mask is not None:
         scored = scored & mask
     in_range = (labels >= 0) & (labels < vocab)
-    if _VALIDATE and n and bool((scored & ~in_range).any()):
+    if host_checks() and n and bool((scored & ~in_range).any()):
         bad = labels[scored & ~in_range][0].item()
         raise ValueError(f"labels must lie in [0, V={vocab}) or equal ignore_index={ignore_index}; found {bad}")
     target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)

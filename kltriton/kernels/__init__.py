@@ -14,7 +14,8 @@ has to stream over the vocabulary.
     target:      ``[N]`` int64, contiguous. ``>= 0``: the label to score (always ``< V``);
                  ``-1``: skipped row (outputs 0, logits never read); ``-2``: a label outside
                  ``[0, V)`` (outputs NaN, logits never read).
-    temperature: python float ``> 0``; every statistic is of ``softmax(logits / T)``.
+    temperature: 0-dim float64 tensor (or python float) ``> 0``; every statistic is of
+                 ``softmax(logits / T)``.
     Returns a ``StreamStats`` of fp32 ``[N]`` tensors (float64 from the reference given float64
     logits). ``entropy`` is empty unless
     ``with_entropy``; ``ref_logp`` / ``ref_lse`` are empty without ``ref_logits``;

@@ -58,11 +58,12 @@ def _stream_forward_kernel(
     entropy_ptr,                # [N] fp32 (written when WITH_ENTROPY)
     ref_logp_ptr, ref_lse_ptr,  # [N] fp32 (written when HAS_REF)
     full_kl_ptr,                # [N] fp32 (written when WITH_FULL_KL)
-    vocab, inv_temperature,
+    vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
     HAS_REF: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
+    inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
     target = tl.load(target_ptr + row)
     if target < 0:
         # Not scored: never read the row. -1 -> 0.0, -2 (label out of range) -> NaN.
@@ -130,10 +131,11 @@ def _stream_backward_kernel(
     lse_ptr, g_logp_ptr,        # [N] fp32
     entropy_ptr, g_entropy_ptr,  # [N] fp32 (read when WITH_ENTROPY)
     ref_lse_ptr, full_kl_ptr, g_full_kl_ptr,  # [N] fp32 (read when WITH_FULL_KL)
-    vocab, inv_temperature,
+    vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
     WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0)
+    inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
@@ -190,7 +192,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         stats.entropy if with_entropy else dummy,
         stats.ref_logp if has_ref else dummy, stats.ref_lse if has_ref else dummy,
         stats.full_kl if with_full_kl else dummy,
-        vocab, 1.0 / temperature,
+        vocab, temperature,
         HAS_REF=has_ref, WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl,
         BLOCK_V=_block_v(vocab),
     )
@@ -213,7 +215,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
         entropy if with_entropy else lse, g_entropy if with_entropy else lse,
         ref_lse if with_full_kl else lse, full_kl if with_full_kl else lse,
         g_full_kl if with_full_kl else lse,
-        vocab, 1.0 / temperature,
+        vocab, temperature,
         WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl, BLOCK_V=_block_v(vocab),
     )
     return grad

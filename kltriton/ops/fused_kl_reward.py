@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from kltriton import _backends
-from kltriton._inputs import build_layout, check_logits, check_temperature
+from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
 from kltriton.ops.stream_backward import zeros_if_none
 from kltriton.ops.token_kl import check_estimator, kl_backward, kl_forward, kl_forward_fake, ref_is_logits
 
@@ -22,22 +22,18 @@ class KLReward(NamedTuple):
     kl_per_seq: torch.Tensor    # [num_seqs] fp32
 
 
-def _scaled(coef: float, coef_tensor: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
-    return values * (coef if coef_tensor is None else coef_tensor.to(values.dtype))
-
-
 def _valid_counts(target, seq_index, num_seqs, dtype):
     """Scored positions per sequence (``-2`` positions count: their NaN must show in the mean)."""
     scored = (target != -1).to(dtype)
     return scored, torch.zeros(num_seqs, dtype=dtype, device=target.device).index_add_(0, seq_index, scored)
 
 
-def shape_rewards(kl, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip):
+def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_clip):
     """``(reward [N], kl_per_seq [num_seqs])`` from the flat per-token ``kl``."""
     scored, counts = _valid_counts(target, seq_index, num_seqs, kl.dtype)
     kl_per_seq = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device).index_add_(0, seq_index, kl)
     kl_per_seq = kl_per_seq / counts.clamp(min=1)
-    reward = -_scaled(coef, coef_tensor, kl)
+    reward = -coef.to(kl.dtype) * kl
     if rewards is not None:
         reward = reward + rewards.reshape(-1).to(kl.dtype)
     if scores is not None:
@@ -60,51 +56,49 @@ def _fused_kl_reward_op(
     target: torch.Tensor,       # [N] int64
     seq_index: torch.Tensor,    # [N] int64 sequence of each position
     num_seqs: int,
-    coef: float,
-    coef_tensor: Optional[torch.Tensor],  # 0-dim; replaces coef when given
+    coef: torch.Tensor,                   # 0-dim
     rewards: Optional[torch.Tensor],      # S or S + [1]
     scores: Optional[torch.Tensor],       # [num_seqs]
     score_clip: Optional[float],
     estimator: str,
     kl_clamp: Optional[float],
-    temperature: float,
+    temperature: torch.Tensor,            # 0-dim float64
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl)``."""
     kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward(logits, ref, target, estimator, kl_clamp, temperature, backend)
-    reward, kl_per_seq = shape_rewards(kl, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip)
+    reward, kl_per_seq = shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_clip)
     return reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl
 
 
 @_fused_kl_reward_op.register_fake
-def _(logits, ref, target, seq_index, num_seqs, coef, coef_tensor, rewards, scores, score_clip, estimator,
+def _(logits, ref, target, seq_index, num_seqs, coef, rewards, scores, score_clip, estimator,
       kl_clamp, temperature, backend):
     kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward_fake(logits, ref, target, estimator)
     return kl.new_empty(kl.shape), kl, logp, ref_logp, kl.new_empty(num_seqs), lse, ref_lse, full_kl
 
 
 def _setup_context(ctx, inputs, output):
-    (logits, ref, target, seq_index, num_seqs, coef, coef_tensor, _, _, _,
+    (logits, ref, target, seq_index, num_seqs, coef, _, _, _,
      estimator, kl_clamp, temperature, backend) = inputs
     _, _, logp, ref_logp, _, lse, ref_lse, full_kl = output
-    coef_tensor = coef_tensor if coef_tensor is not None else torch.empty(0)
-    ctx.save_for_backward(logits, ref, target, seq_index, coef_tensor, logp, ref_logp, lse, ref_lse, full_kl)
-    ctx.args = (num_seqs, coef, estimator, kl_clamp, temperature, backend)
+    ctx.save_for_backward(logits, ref, target, seq_index, coef, temperature, logp, ref_logp, lse, ref_lse, full_kl)
+    ctx.args = (num_seqs, estimator, kl_clamp, backend)
 
 
 def _backward(ctx, g_reward, g_kl, g_logp, g_ref_logp, g_kl_per_seq, g_lse, g_ref_lse, g_full_kl):
-    logits, ref, target, seq_index, coef_tensor, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
-    num_seqs, coef, estimator, kl_clamp, temperature, backend = ctx.args
+    logits, ref, target, seq_index, coef, temperature, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
+    num_seqs, estimator, kl_clamp, backend = ctx.args
     g_kl = zeros_if_none(g_kl, lse)
     if g_reward is not None:
-        g_kl = g_kl - _scaled(coef, coef_tensor if coef_tensor.numel() else None, g_reward)
+        g_kl = g_kl - coef.to(g_reward.dtype) * g_reward
     if g_kl_per_seq is not None:
         scored, counts = _valid_counts(target, seq_index, num_seqs, lse.dtype)
         g_kl = g_kl + (g_kl_per_seq / counts.clamp(min=1))[seq_index] * scored
     grad = kl_backward(logits, ref, target, estimator, kl_clamp, temperature, backend,
                        logp, ref_logp, lse, ref_lse, full_kl, g_kl, zeros_if_none(g_logp, lse))
-    return (grad,) + (None,) * 13
+    return (grad,) + (None,) * 12
 
 
 _fused_kl_reward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -117,10 +111,10 @@ def _check_coef(coef, logits):
                              f"{coef.dtype}")
         if coef.device != logits.device:
             raise ValueError(f"coef is on {coef.device} but logits are on {logits.device}")
-        return 0.0, coef.detach()
+        return coef.detach()
     if not isinstance(coef, (int, float)):
         raise TypeError(f"coef must be a float or a 0-dim tensor, got {type(coef).__name__}")
-    return float(coef), None
+    return runtime_scalar(coef, logits.device)
 
 
 def _check_rewards(rewards, logits):
@@ -192,15 +186,15 @@ def fused_kl_reward(
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature)
-    coef, coef_tensor = _check_coef(coef, logits)
+    temperature = check_temperature(temperature, logits.device)
+    coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
     backend = _backends.resolve(backend, logits)
     reward, kl, logp, ref_logp, kl_per_seq, *_ = _fused_kl_reward_op(
-        logits, ref.detach(), layout.target, layout.seq_index, layout.num_seqs, coef, coef_tensor,
+        logits, ref.detach(), layout.target, layout.seq_index, layout.num_seqs, coef,
         rewards, scores, score_clip, estimator, kl_clamp, temperature, backend)
     shape = layout.shape
     return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)

@@ -16,7 +16,7 @@ def stream_backward(
     logits: torch.Tensor,               # [..., V]
     ref_logits: Optional[torch.Tensor],  # [..., V], only for the full-KL term
     target: torch.Tensor,               # [N] int64
-    temperature: float,
+    temperature: torch.Tensor,          # 0-dim float64
     lse: torch.Tensor,                  # [N] fp32
     ref_lse: Optional[torch.Tensor],    # [N] fp32
     g_logp: torch.Tensor,               # [N] fp32

@@ -87,7 +87,7 @@ def _token_kl_op(
     target: torch.Tensor,       # [N] int64
     estimator: str,
     kl_clamp: Optional[float],
-    temperature: float,
+    temperature: torch.Tensor,  # 0-dim float64
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return kl_forward(logits, ref, target, estimator, kl_clamp, temperature, backend)
@@ -101,13 +101,14 @@ def _(logits, ref, target, estimator, kl_clamp, temperature, backend):
 def _setup_context(ctx, inputs, output):
     logits, ref, target, estimator, kl_clamp, temperature, backend = inputs
     _, logp, ref_logp, lse, ref_lse, full_kl = output
-    ctx.save_for_backward(logits, ref, target, logp, ref_logp, lse, ref_lse, full_kl)
-    ctx.args = (estimator, kl_clamp, temperature, backend)
+    ctx.save_for_backward(logits, ref, target, temperature, logp, ref_logp, lse, ref_lse, full_kl)
+    ctx.args = (estimator, kl_clamp, backend)
 
 
 def _backward(ctx, g_kl, g_logp, g_ref_logp, g_lse, g_ref_lse, g_full_kl):
-    logits, ref, target, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
-    grad = kl_backward(logits, ref, target, *ctx.args, logp, ref_logp, lse, ref_lse, full_kl,
+    logits, ref, target, temperature, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
+    estimator, kl_clamp, backend = ctx.args
+    grad = kl_backward(logits, ref, target, estimator, kl_clamp, temperature, backend, logp, ref_logp, lse, ref_lse, full_kl,
                        zeros_if_none(g_kl, lse), zeros_if_none(g_logp, lse))
     return grad, None, None, None, None, None, None
 
@@ -149,7 +150,7 @@ def token_kl(
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature)
+    temperature = check_temperature(temperature, logits.device)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask,
                           cu_seqlens=cu_seqlens, shift_labels=shift_labels)
     backend = _backends.resolve(backend, logits)

@@ -12,7 +12,7 @@ from kltriton.ops.stream_backward import stream_backward, zeros_if_none
 def _token_logprobs_op(
     logits: torch.Tensor,   # [..., V]
     target: torch.Tensor,   # [N] int64 (see kltriton.kernels)
-    temperature: float,
+    temperature: torch.Tensor,  # 0-dim float64
     with_entropy: bool,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,14 +31,14 @@ def _(logits, target, temperature, with_entropy, backend):
 def _setup_context(ctx, inputs, output):
     logits, target, temperature, with_entropy, backend = inputs
     _, entropy, lse = output
-    ctx.save_for_backward(logits, target, lse, entropy)
-    ctx.temperature, ctx.with_entropy, ctx.backend = temperature, with_entropy, backend
+    ctx.save_for_backward(logits, target, temperature, lse, entropy)
+    ctx.with_entropy, ctx.backend = with_entropy, backend
 
 
 def _backward(ctx, g_logp, g_entropy, g_lse):
-    logits, target, lse, entropy = ctx.saved_tensors
+    logits, target, temperature, lse, entropy = ctx.saved_tensors
     grad = stream_backward(
-        logits, None, target, ctx.temperature, lse, None,
+        logits, None, target, temperature, lse, None,
         zeros_if_none(g_logp, lse),
         zeros_if_none(g_entropy, lse) if ctx.with_entropy else None,
         entropy if ctx.with_entropy else None,
@@ -80,7 +80,7 @@ def token_logprobs(
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``).
     """
     check_logits(logits)
-    temperature = check_temperature(temperature)
+    temperature = check_temperature(temperature, logits.device)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask,
                           cu_seqlens=cu_seqlens, shift_labels=shift_labels)
     backend = _backends.resolve(backend, logits)

@@ -1,0 +1,80 @@
+"""The ops as torch.library custom ops: opcheck, and torch.compile(fullgraph=True) without
+graph breaks or recompiles when float hyperparameters change."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import kltriton
+from kltriton import _backends
+from kltriton.ops.fused_kl_reward import _fused_kl_reward_op
+from kltriton.ops.stream_backward import stream_backward
+from kltriton.ops.token_kl import _token_kl_op
+from kltriton.ops.token_logprobs import _token_logprobs_op
+
+
+def _target(n, vocab):
+    target = torch.randint(0, vocab, (n,))
+    target[1] = -1
+    return target
+
+
+def op_samples(backend):
+    scalar = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
+    vocab = 67
+    logits = torch.randn(2, 3, vocab, requires_grad=True)
+    ref = torch.randn(2, 3, vocab)
+    ref_lp = torch.randn(2, 3).clamp(max=0)
+    target = _target(6, vocab)
+    seq_index = torch.arange(6) // 3
+    yield _token_logprobs_op, (logits, target, scalar(0.7), True, backend)
+    yield _token_logprobs_op, (logits, target, scalar(1.0), False, backend)
+    for estimator, reference in (("k3", ref), ("full", ref), ("k1", ref_lp)):
+        yield _token_kl_op, (logits, reference, target, estimator, None, scalar(0.9), backend)
+    yield _token_kl_op, (logits, ref, target, "abs", 0.5, scalar(1.0), backend)
+    yield _fused_kl_reward_op, (logits, ref, target, seq_index, 2, scalar(0.1), torch.randn(2, 3), torch.randn(2),
+                                5.0, "k2", None, scalar(1.0), backend)
+    yield _fused_kl_reward_op, (logits, ref_lp, target, seq_index, 2, torch.tensor(0.2), None, None, None,
+                                "k1", None, scalar(1.3), backend)
+    stats = _backends.module(backend).forward(logits.detach(), ref, target, scalar(1.0), True, True)
+    g = torch.randn(6)
+    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, g, g, stats.entropy, g,
+                            stats.full_kl, backend)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpp"])
+def test_opcheck(backend_name):
+    usable, why = _backends.availability(backend_name)
+    if not usable:
+        pytest.skip(why)
+    for op, args in op_samples(backend_name):
+        torch.library.opcheck(op, args)
+
+
+def loss_fn(logits, ref, ids, mask, temperature, coef):
+    lp = kltriton.token_logprobs(logits, ids, mask=mask, temperature=temperature)
+    kl = kltriton.token_kl(logits, ref, ids, estimator="k3", mask=mask, temperature=temperature)
+    shaped = kltriton.fused_kl_reward(logits, ref, ids, coef=coef, mask=mask, temperature=temperature)
+    return (lp * 0.3).sum() + kl.kl.sum() - shaped.reward.sum() + shaped.kl_per_seq.sum()
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compile_fullgraph_matches_eager_without_recompiles(compiler, dynamic):
+    """Temperature and coef reach the kernels as 0-dim tensors, so new values never specialize
+    the graph. With Dynamo's default (``dynamic=None``) every Python scalar starts static and
+    turns dynamic at its first change: one recompile, then none; ``dynamic=True`` gives none."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(compiler)
+    compiled = torch.compile(loss_fn, backend=counter, fullgraph=True, dynamic=dynamic)
+    logits, ref = torch.randn(2, 5, 301), torch.randn(2, 5, 301)
+    ids, mask = torch.randint(0, 301, (2, 5)), torch.rand(2, 5) < 0.8
+    for temperature, coef in ((1.0, 0.1), (0.7, 0.05), (1.3, 0.2), (0.9, 0.3)):
+        x = logits.clone().requires_grad_()
+        expected = loss_fn(x, ref, ids, mask, temperature, coef)
+        e_grad, = torch.autograd.grad(expected, x)
+        x = logits.clone().requires_grad_()
+        got = compiled(x, ref, ids, mask, temperature, coef)
+        grad, = torch.autograd.grad(got, x)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(grad, e_grad)
+    assert counter.frame_count == (1 if dynamic else 2), f"compiled {counter.frame_count} frames"
