@@ -12,13 +12,16 @@ import triton.language as tl
 from kltriton._rows import as_rows3d, num_rows
 from kltriton.kernels import StreamStats
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a plain global is not visible to compiled kernels
 
 
 def _block_v(vocab: int) -> int:
     # Large blocks amortise the per-iteration cost (and the interpreter's ~1 ms per
     # iteration on CPU); 4096 fp32 values per iteration keep registers in check on GPU.
     return min(4096, triton.next_power_of_2(max(vocab, 16)))
+
+
+NUM_WARPS = 8  # 4096-wide blocks: 16 values per thread; not tuned on hardware yet
 
 
 @triton.jit
@@ -194,7 +197,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         stats.full_kl if with_full_kl else dummy,
         vocab, temperature,
         HAS_REF=has_ref, WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl,
-        BLOCK_V=_block_v(vocab),
+        BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return stats
 
@@ -216,6 +219,6 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
         ref_lse if with_full_kl else lse, full_kl if with_full_kl else lse,
         g_full_kl if with_full_kl else lse,
         vocab, temperature,
-        WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl, BLOCK_V=_block_v(vocab),
+        WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl, BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return grad
