@@ -1,0 +1,178 @@
+// Shared helpers of the kltriton C++ CPU backend (row-streaming softmax statistics).
+//
+// Compiled with the instruction-set flags of the machine's ATen CPU capability
+// (-DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 ...), so at::vec::Vectorized<float>
+// is the 512/256-bit specialisation, or the portable one for DEFAULT.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace kltriton_cpp {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kW = Vec::size();  // floats per vector register
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kLowest = std::numeric_limits<float>::lowest();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// kW consecutive elements as floats.
+template <typename T>
+inline Vec load_f(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+// 2 * kW consecutive elements as two float vectors.
+template <typename T>
+inline void load_f2(const T* p, Vec& a, Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = Vec::loadu(p);
+    b = Vec::loadu(p + kW);
+  } else {
+    at::vec::load_to_float<T>(p, a, b);
+  }
+}
+
+// Stores two float vectors as 2 * kW elements of T.
+template <typename T>
+inline void store_f2(T* p, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kW);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// a * b + c with one rounding: x * invT - shift must not round x * invT at the scale of |x| / T
+// (1e4-sized logits would lose ~1e-3 absolute). AVX2 / AVX512 have FMA; the portable build calls
+// std::fma per lane (slow without FMA hardware, but exact).
+inline Vec vfma(const Vec& a, const Vec& b, const Vec& c) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return at::vec::fmadd(a, b, c);
+#else
+  alignas(64) float xa[kW], xb[kW], xc[kW];
+  a.store(xa);
+  b.store(xb);
+  c.store(xc);
+  for (int64_t l = 0; l < kW; ++l) xa[l] = std::fma(xa[l], xb[l], xc[l]);
+  return Vec::loadu(xa);
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// exp(z) for z <= ~0 in 11 AVX512 ops, ~2 ulp: n = round(z / ln2), r = z - n ln2 in
+// [-ln2/2, ln2/2], e^r by a degree-7 polynomial (Cephes expf coefficients less the r^7 term,
+// truncation < 1.3e-7 relative), scaled by 2^n with scalef (exact underflow to 0).
+// z = -inf or below -104 gives 0; NaN stays NaN (the clamp returns its second operand).
+inline Vec vexp(const Vec& zv) {
+  const __m512 z = _mm512_max_ps(_mm512_set1_ps(-104.f), zv);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), z);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Running max; NaN need not propagate here because vexp keeps NaN (the sums become NaN).
+inline Vec vmax(const Vec& a, const Vec& b) { return _mm512_max_ps(a, b); }
+
+// acc + (e != 0 ? c : 0): a term with no probability mass is 0 even when c is inf / NaN.
+inline Vec add_where_pos(const Vec& acc, const Vec& e, const Vec& c) {
+  const __mmask16 k = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  return _mm512_mask_add_ps(acc, k, acc, c);
+}
+
+// -p * c, or 0 where p == 0.
+inline Vec neg_mul_where_pos(const Vec& p, const Vec& c) {
+  const __mmask16 k = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  return _mm512_maskz_mul_ps(k, _mm512_sub_ps(_mm512_setzero_ps(), p), c);
+}
+#else
+// exp with ~20 ulp, no Sleef call on AVX2 (the one ATen's softmax uses). It does not keep NaN,
+// so the running max below propagates NaN instead.
+inline Vec vexp(const Vec& z) { return z.exp_u20(); }
+
+inline Vec vmax(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
+
+inline Vec add_where_pos(const Vec& acc, const Vec& e, const Vec& c) {
+  const Vec zero(0.f);
+  return acc + Vec::blendv(c, zero, e == zero);
+}
+
+inline Vec neg_mul_where_pos(const Vec& p, const Vec& c) {
+  const Vec zero(0.f);
+  return Vec::blendv(zero - p * c, zero, p == zero);
+}
+#endif
+
+// Row n of an [A, B, V] view with strides (sa, sb, 1).
+struct Rows3d {
+  const char* base = nullptr;
+  int64_t B = 1, sa = 0, sb = 0, elem = 4;
+  Rows3d() = default;
+  explicit Rows3d(const at::Tensor& t)
+      : base(static_cast<const char*>(t.data_ptr())),
+        B(t.size(1)),
+        sa(t.stride(0)),
+        sb(t.stride(1)),
+        elem(t.element_size()) {}
+  template <typename T>
+  const T* row(int64_t n) const {
+    const int64_t a = n / B, b = n - (n / B) * B;
+    return reinterpret_cast<const T*>(base + (a * sa + b * sb) * elem);
+  }
+};
+
+inline void check_rows3d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "kltriton_cpp: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3, "kltriton_cpp: ", name, " must be an [A, B, V] view");
+  TORCH_CHECK(t.size(2) == 0 || t.size(2) == 1 || t.stride(2) == 1,
+              "kltriton_cpp: ", name, " needs a contiguous vocab dim");
+  auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "kltriton_cpp: ", name, " must be float32, bfloat16 or float16, got ", dt);
+}
+
+// Rows per parallel task: enough vocabulary to amortise the task overhead.
+inline int64_t row_grain(int64_t vocab) {
+  const int64_t g = (int64_t{1} << 15) / std::max<int64_t>(vocab, 1);
+  return std::max<int64_t>(g, 1);
+}
+
+std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
+                                       const std::optional<at::Tensor>& ref3d,
+                                       const at::Tensor& target, double temperature,
+                                       bool with_entropy, bool with_full_kl);
+
+at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                           const at::Tensor& target, double temperature, const at::Tensor& lse,
+                           const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
+                           const std::optional<at::Tensor>& g_entropy,
+                           const std::optional<at::Tensor>& entropy,
+                           const std::optional<at::Tensor>& g_full_kl,
+                           const std::optional<at::Tensor>& full_kl);
+
+}  // namespace kltriton_cpp

@@ -1,0 +1,311 @@
+// Forward of the kltriton C++ CPU backend: per row of [A, B, V] logits (and optionally reference
+// logits), one streaming pass over the vocabulary gives log p(label), logsumexp(x / T), the
+// entropy, the reference log-prob / logsumexp and the full KL(p || q).
+//
+// Numerics (matches the Triton kernel): the running max is kept in raw logit units per SIMD
+// lane; the shift used is mi = fl(m * invT) and z = fma(x, invT, -mi), so every exponent is
+// exactly relative to the recorded shift. The vocabulary is streamed in L1-sized blocks: the
+// block max is taken first, the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (zx - zy))
+// is rescaled once per block, then the block's exponentials are accumulated from L1. Each row
+// is read from memory once. The SIMD lanes are combined in double at the end of the row.
+#include "stream_common.h"
+
+namespace kltriton_cpp {
+namespace {
+
+constexpr int64_t kBlockVecs = 32;  // vectors per block (2 KiB of fp32 on AVX512 per tensor)
+
+struct RowOut {
+  float logp, lse, entropy, ref_logp, ref_lse, full_kl;
+};
+
+template <bool ENT, bool REF, bool KL>
+struct LaneState {
+  Vec mx, mix, sx, tx, my, miy, sy, u;
+  Vec vinv;
+
+  explicit LaneState(float inv)
+      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), vinv(inv) {}
+
+  // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf).
+  template <typename LX, typename LY>
+  inline void block(int64_t nv, const LX& ldx, const LY& ldy) {
+    const Vec ninf(-kInf), zero(0.f);
+    Vec bx = ninf, by = ninf;
+    for (int64_t i = 0; i < nv; ++i) {
+      bx = vmax(bx, ldx(i));
+      if constexpr (REF) by = vmax(by, ldy(i));
+    }
+    // Rescale the lane sums to the new shift. A lane that was empty (max -inf) has zero sums
+    // and gets a factor 0 (avoids exp(+big) * 0).
+    const Vec mxn = vmax(mx, bx);
+    const Vec mixn = Vec::blendv(mxn * vinv, zero, mxn == ninf);
+    const Vec dx = mixn - mix;
+    const Vec ax = Vec::blendv(vexp(zero - dx), zero, mx == ninf);
+    Vec dy = zero;
+    if constexpr (REF) {
+      const Vec myn = vmax(my, by);
+      const Vec miyn = Vec::blendv(myn * vinv, zero, myn == ninf);
+      dy = miyn - miy;
+      const Vec ay = Vec::blendv(vexp(zero - dy), zero, my == ninf);
+      sy = ay * sy;
+      my = myn;
+      miy = miyn;
+    }
+    if constexpr (KL) u = ax * (u - (dx - dy) * sx);
+    if constexpr (ENT) tx = ax * (tx - dx * sx);
+    sx = ax * sx;
+    mx = mxn;
+    mix = mixn;
+
+    // Block sums relative to the new shift, two accumulators each (independent add chains).
+    const Vec nmix = zero - mix;
+    const Vec nmiy = zero - miy;
+    const Vec lowest(kLowest);
+    Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
+    auto step = [&](int64_t i, int j) {
+      const Vec zx = vfma(ldx(i), vinv, nmix);
+      const Vec ex = vexp(zx);
+      bs[j] = bs[j] + ex;
+      Vec zxc;
+      if constexpr (ENT || KL) {
+        // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
+        zxc = at::vec::clamp_min(zx, lowest);
+      }
+      if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
+      if constexpr (REF) {
+        const Vec zy = vfma(ldy(i), vinv, nmiy);
+        bsy[j] = bsy[j] + vexp(zy);
+        // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
+        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
+      }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= nv; i += 2) {
+      step(i, 0);
+      step(i + 1, 1);
+    }
+    if (i < nv) step(i, 0);
+    sx = sx + (bs[0] + bs[1]);
+    if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
+    if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
+    if constexpr (KL) u = u + (bu[0] + bu[1]);
+  }
+};
+
+struct Combined {
+  bool bad = false;    // a NaN or +inf logit in the row
+  bool dead = false;   // every logit is -inf
+  double m_raw = 0.0;  // max raw logit
+  double mi = 0.0;     // shift (float m * invT) of that max
+  double s = 0.0, t = 0.0;
+};
+
+// Combine per-lane (m, mi, s[, t]) into row totals relative to the largest shift.
+inline Combined combine(const float* m, const float* mi, const float* s, const float* t) {
+  Combined c;
+  c.m_raw = -std::numeric_limits<double>::infinity();
+  c.mi = -std::numeric_limits<double>::infinity();
+  bool any = false;
+  for (int64_t l = 0; l < kW; ++l) {
+    if (std::isnan(m[l]) || m[l] == kInf || std::isnan(mi[l])) {
+      c.bad = true;
+    } else if (m[l] != -kInf) {
+      any = true;
+      c.m_raw = std::max(c.m_raw, static_cast<double>(m[l]));
+      c.mi = std::max(c.mi, static_cast<double>(mi[l]));
+    }
+  }
+  c.dead = !any;
+  if (c.bad || c.dead) return c;
+  for (int64_t l = 0; l < kW; ++l) {
+    if (m[l] == -kInf) continue;
+    const double d = c.mi - static_cast<double>(mi[l]);
+    const double a = std::exp(-d);
+    c.s += a * s[l];
+    if (t != nullptr) c.t += a * (static_cast<double>(t[l]) - d * s[l]);
+  }
+  return c;
+}
+
+template <typename T, bool ENT, bool REF, bool KL>
+RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, double lo) {
+  LaneState<ENT, REF, KL> st(hi);
+  const int64_t nvec = V / kW, rem = V - nvec * kW;
+  for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
+    const int64_t nv = std::min(kBlockVecs, nvec - v0);
+    const T* px = x + v0 * kW;
+    const T* py = REF ? y + v0 * kW : nullptr;
+    st.block(
+        nv, [px](int64_t i) { return load_f(px + i * kW); },
+        [py](int64_t i) { return load_f(py + i * kW); });
+  }
+  if (rem) {
+    alignas(64) float bx[kW], by[kW];
+    for (int64_t l = 0; l < kW; ++l) {
+      bx[l] = l < rem ? static_cast<float>(x[nvec * kW + l]) : -kInf;
+      by[l] = (REF && l < rem) ? static_cast<float>(y[nvec * kW + l]) : -kInf;
+    }
+    st.block(
+        1, [&bx](int64_t) { return Vec::loadu(bx); }, [&by](int64_t) { return Vec::loadu(by); });
+  }
+
+  alignas(64) float amx[kW], amix[kW], asx[kW], atx[kW];
+  st.mx.store(amx);
+  st.mix.store(amix);
+  st.sx.store(asx);
+  st.tx.store(atx);
+  const Combined cx = combine(amx, amix, asx, ENT ? atx : nullptr);
+
+  RowOut r{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN};
+  const double xl = static_cast<double>(static_cast<float>(x[label]));
+  if (cx.bad) {
+    // NaN / +inf logits: no distribution (lse NaN so the backward writes zeros).
+  } else if (cx.dead) {
+    r.lse = -kInf;
+  } else {
+    const double log_s = std::log(cx.s);
+    r.lse = static_cast<float>(cx.mi + cx.m_raw * lo + log_s);
+    const double zl = xl * hi - cx.mi + (xl - cx.m_raw) * lo;
+    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(zl - log_s, 0.0));
+    if constexpr (ENT) r.entropy = static_cast<float>(log_s - cx.t / cx.s);
+  }
+  if constexpr (REF) {
+    alignas(64) float amy[kW], amiy[kW], asy[kW];
+    st.my.store(amy);
+    st.miy.store(amiy);
+    st.sy.store(asy);
+    const Combined cy = combine(amy, amiy, asy, nullptr);
+    if (cy.bad) {
+      r.ref_lse = kNaN;
+    } else if (cy.dead) {
+      r.ref_lse = -kInf;
+    } else {
+      const double log_s = std::log(cy.s);
+      r.ref_lse = static_cast<float>(cy.mi + cy.m_raw * lo + log_s);
+      const double yl = static_cast<double>(static_cast<float>(y[label]));
+      const double zl = yl * hi - cy.mi + (yl - cy.m_raw) * lo;
+      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(zl - log_s, 0.0));
+      if constexpr (KL) {
+        if (!cx.bad && !cx.dead) {
+          alignas(64) float au[kW];
+          st.u.store(au);
+          double U = 0.0;
+          for (int64_t l = 0; l < kW; ++l) {
+            if (amx[l] == -kInf) continue;
+            const double dxl = cx.mi - static_cast<double>(amix[l]);
+            const double dyl = cy.mi - static_cast<double>(amiy[l]);
+            U += std::exp(-dxl) * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
+          }
+          r.full_kl = static_cast<float>(U / cx.s - std::log(cx.s) + log_s);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+template <typename T, bool ENT, bool REF, bool KL>
+void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                 const int64_t* tgt, int64_t N, int64_t V, float hi, double lo, float* logp,
+                 float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
+  const Rows3d X(logits3d);
+  const Rows3d Y = REF ? Rows3d(*ref3d) : Rows3d();
+  at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t tg = tgt[n];
+      RowOut r;
+      if (tg < 0 || tg >= V) {
+        // -1: skipped (0); -2 (label out of range) and anything >= V: NaN. Never read.
+        const float v = (tg == -2 || tg >= V) ? kNaN : 0.f;
+        r = RowOut{v, 0.f, v, v, 0.f, v};
+      } else {
+        r = forward_row<T, ENT, REF, KL>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+      }
+      logp[n] = r.logp;
+      lse[n] = r.lse;
+      if constexpr (ENT) ent[n] = r.entropy;
+      if constexpr (REF) {
+        rlogp[n] = r.ref_logp;
+        rlse[n] = r.ref_lse;
+      }
+      if constexpr (KL) fkl[n] = r.full_kl;
+    }
+  });
+}
+
+template <typename T>
+void dispatch_modes(bool ent, bool ref, bool kl, const at::Tensor& logits3d,
+                    const std::optional<at::Tensor>& ref3d, const int64_t* tgt, int64_t N,
+                    int64_t V, float hi, double lo, float* o0, float* o1, float* o2, float* o3,
+                    float* o4, float* o5) {
+#define KLT_RUN(E, R, K) \
+  run_forward<T, E, R, K>(logits3d, ref3d, tgt, N, V, hi, lo, o0, o1, o2, o3, o4, o5)
+  if (kl) {
+    ent ? KLT_RUN(true, true, true) : KLT_RUN(false, true, true);
+  } else if (ref) {
+    ent ? KLT_RUN(true, true, false) : KLT_RUN(false, true, false);
+  } else {
+    ent ? KLT_RUN(true, false, false) : KLT_RUN(false, false, false);
+  }
+#undef KLT_RUN
+}
+
+}  // namespace
+
+std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
+                                       const std::optional<at::Tensor>& ref3d,
+                                       const at::Tensor& target, double temperature,
+                                       bool with_entropy, bool with_full_kl) {
+  check_rows3d(logits3d, "logits");
+  const int64_t N = logits3d.size(0) * logits3d.size(1);
+  const int64_t V = logits3d.size(2);
+  TORCH_CHECK(V > 0, "kltriton_cpp: the vocabulary size must be > 0");
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature),
+              "kltriton_cpp: temperature must be a finite number > 0");
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
+              "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
+  const bool has_ref = ref3d.has_value();
+  TORCH_CHECK(!with_full_kl || has_ref, "kltriton_cpp: with_full_kl needs ref_logits");
+  if (has_ref) {
+    check_rows3d(*ref3d, "ref_logits");
+    TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
+                "kltriton_cpp: ref_logits must have the shape of logits");
+    TORCH_CHECK(ref3d->scalar_type() == logits3d.scalar_type(),
+                "kltriton_cpp: ref_logits must have the dtype of logits");
+  }
+  const auto f32 = logits3d.options().dtype(at::kFloat);
+  auto out = [&](bool wanted) { return at::empty({wanted ? N : 0}, f32); };
+  at::Tensor logp = out(true), lse = out(true), ent = out(with_entropy);
+  at::Tensor rlogp = out(has_ref), rlse = out(has_ref), fkl = out(with_full_kl);
+  if (N > 0) {
+    const double inv = 1.0 / temperature;
+    const float hi = static_cast<float>(inv);
+    const double lo = inv - static_cast<double>(hi);
+    const int64_t* tgt = target.data_ptr<int64_t>();
+    float* o[6] = {logp.data_ptr<float>(), lse.data_ptr<float>(),
+                   with_entropy ? ent.data_ptr<float>() : nullptr,
+                   has_ref ? rlogp.data_ptr<float>() : nullptr,
+                   has_ref ? rlse.data_ptr<float>() : nullptr,
+                   with_full_kl ? fkl.data_ptr<float>() : nullptr};
+    switch (logits3d.scalar_type()) {
+      case at::kFloat:
+        dispatch_modes<float>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N, V, hi,
+                              lo, o[0], o[1], o[2], o[3], o[4], o[5]);
+        break;
+      case at::kBFloat16:
+        dispatch_modes<at::BFloat16>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N,
+                                     V, hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
+        break;
+      case at::kHalf:
+        dispatch_modes<at::Half>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N, V,
+                                 hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
+        break;
+      default:
+        TORCH_CHECK(false, "kltriton_cpp: unsupported dtype");
+    }
+  }
+  return {logp, lse, ent, rlogp, rlse, fkl};
+}
+
+}  // namespace kltriton_cpp

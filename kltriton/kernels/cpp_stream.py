@@ -1,0 +1,373 @@
+"""C++ CPU backend: the row-streaming kernels of ``csrc/`` as torch ops ``torch.ops.kltriton_cpp.*``.
+
+Implements the backend interface documented in ``kltriton.kernels`` (``forward`` / ``backward``)
+for CPU tensors in float32 / bfloat16 / float16: one streaming pass per row (online max / sum in
+fp32), SIMD through ATen's ``Vectorized<float>`` for the machine's CPU capability (AVX512 / AVX2 /
+portable) and OpenMP threads over rows (``at::parallel_for``, so ``torch.set_num_threads`` applies).
+Results do not depend on the number of threads.
+
+Loading, in order (``load()``; importing this module compiles nothing):
+
+1. the ops are already registered in this process: nothing to do (never loaded twice);
+2. an ahead-of-time library ``kltriton/_C*.so`` (``KLTRITON_BUILD_CPP=1 pip install
+   --no-build-isolation .``) built for a CPU capability this machine has
+   (``KLTRITON_CPP_AOT=0`` ignores it);
+3. a JIT build with ``torch.utils.cpp_extension.load`` (needs a C++ compiler, ``$CXX`` or ``c++``,
+   and ninja), cached in ``$KLTRITON_CACHE_DIR`` or ``~/.cache/kltriton``, one directory per
+   (torch version, CPU capability, hash of the sources and flags). Concurrent builds are serialised
+   by an ``flock`` on ``<cache>/<key>.lock`` (released by the OS if the builder dies); a stale torch
+   ``FileBaton`` left by a killed build is removed under that lock. A finished build is loaded
+   without a compiler next time.
+
+If none works, ``availability()`` is ``(False, reason)`` and one ``warnings.warn`` per process says
+why; the dispatcher then falls back to the PyTorch reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import re
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from kltriton._rows import as_rows3d
+from kltriton.kernels import StreamStats
+
+NAMESPACE = "kltriton_cpp"
+SOURCES = ("stream_ops.cpp", "stream_forward.cpp", "stream_backward.cpp")
+HEADERS = ("stream_common.h",)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BUILD_TAG = b"KLTRITON_CPP_BUILD_TAG cap="
+_CAP_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "DEFAULT": [],
+}
+_OK_MARKER = "kltriton_build_ok"
+
+
+class CppUnavailable(RuntimeError):
+    """The C++ backend could not be loaded or built (the message says why)."""
+
+
+_lock = threading.RLock()
+_state: dict = {"loaded": False, "how": None, "error": None, "warned": False, "loads": 0}
+
+
+# ----------------------------------------------------------------------------- build configuration
+
+def cpu_capability() -> str:
+    """ATen's CPU capability mapped to the flag sets above (``DEFAULT`` when not x86 AVX2/512)."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - very old torch
+        cap = "DEFAULT"
+    return cap if cap in _CAP_RANK else "DEFAULT"
+
+
+def compile_flags(cap: str | None = None) -> list[str]:
+    """C++ flags of a build for ``cap`` (the ISA flags never exceed what ATen detected)."""
+    cap = cpu_capability() if cap is None else cap
+    return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}",
+            *_ISA_FLAGS[cap]]
+
+
+LINK_FLAGS = ["-fopenmp"]
+
+
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def source_dir() -> Path | None:
+    """``csrc`` shipped inside the package (``kltriton/csrc``) or of a source checkout."""
+    pkg = _package_dir()
+    for cand in (pkg / "csrc", pkg.parent / "csrc"):
+        if all((cand / f).is_file() for f in SOURCES + HEADERS):
+            return cand
+    return None
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KLTRITON_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kltriton"
+
+
+def build_key(src: Path, cap: str | None = None) -> str:
+    cap = cpu_capability() if cap is None else cap
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.encode() + b"\0" + (src / f).read_bytes() + b"\0")
+    h.update(" ".join(compile_flags(cap) + LINK_FLAGS).encode())
+    h.update(f"{sys.platform}-{torch.__version__}".encode())
+    torch_ver = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
+    return f"torch{torch_ver}-{cap.lower()}-{h.hexdigest()[:16]}"
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _registered() -> bool:
+    try:
+        return hasattr(getattr(torch.ops, NAMESPACE), "stream_forward")
+    except Exception:
+        return False
+
+
+def _lib_capability(path: Path) -> str | None:
+    """The CPU capability an ahead-of-time library was compiled for (from its embedded tag)."""
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            i = data.find(_BUILD_TAG)
+            if i < 0:
+                return None
+            j = data.find(b";", i, i + 64)
+            cap = data[i + len(_BUILD_TAG): j].decode("ascii", "replace") if j > 0 else ""
+    except (OSError, ValueError):
+        return None
+    return "DEFAULT" if cap == "CPU_CAPABILITY" else cap
+
+
+def aot_library_path() -> Path | None:
+    """Path of an ahead-of-time built library (``kltriton/_C*.so``) usable on this machine, or None.
+
+    ``KLTRITON_BUILD_CPP=1`` at ``pip install --no-build-isolation`` builds it (see setup.py).
+    A library built for a CPU capability this machine lacks is ignored (never loaded).
+    """
+    if os.environ.get("KLTRITON_CPP_AOT", "1") == "0":
+        return None
+    pkg = _package_dir()
+    here = _CAP_RANK[cpu_capability()]
+    for path in sorted(pkg.glob("_C*.so")) + sorted(pkg.glob("_C*.pyd")):
+        cap = _lib_capability(path)
+        if cap in _CAP_RANK and _CAP_RANK[cap] <= here:
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive inter-process lock (``flock``; the OS drops it if the holder dies)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: torch's FileBaton still guards the build
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _clear_stale_baton(build_dir: Path) -> None:
+    """Remove torch's ``FileBaton`` file left by a killed build (call only under ``_file_lock``)."""
+    stale = build_dir / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        stale.unlink()
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
+    _state["loads"] += 1
+
+
+def _jit_build(src: Path) -> str:
+    cap = cpu_capability()
+    key = build_key(src, cap)
+    root = cache_root()
+    build_dir = root / key
+    name = "kltriton_cpp_" + key.rsplit("-", 1)[1][:12]
+    so = build_dir / f"{name}.so"
+    ok = build_dir / _OK_MARKER
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CppUnavailable(f"cannot create the build cache {root} ({err}); set KLTRITON_CACHE_DIR") from err
+    with _file_lock(root / f"{key}.lock"):
+        if so.is_file() and ok.is_file():
+            _load_library(so)
+            return f"cached JIT build {so} ({cap})"
+        if shutil.which(compiler) is None:
+            raise CppUnavailable(f"no C++ compiler: {compiler!r} not found (set CXX to a C++17 compiler)")
+        from torch.utils import cpp_extension
+
+        if not cpp_extension.is_ninja_available():
+            raise CppUnavailable("ninja is not available (pip install ninja)")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_baton(build_dir)
+        ok.unlink(missing_ok=True)
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(src / f) for f in SOURCES],
+                extra_cflags=compile_flags(cap),
+                extra_ldflags=LINK_FLAGS,
+                extra_include_paths=[str(src)],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=os.environ.get("KLTRITON_VERBOSE_BUILD", "0") == "1",
+            )
+        except Exception as err:
+            tail = str(err).strip().splitlines()[-12:]
+            raise CppUnavailable(f"build failed in {build_dir}: " + "\n".join(tail)) from err
+        _state["loads"] += 1
+        ok.write_text(" ".join(compile_flags(cap)) + "\n")
+        return f"JIT build {so} ({cap})"
+
+
+def _load_impl() -> str:
+    if _registered():
+        return "already registered in this process"
+    aot = aot_library_path()
+    if aot is not None:
+        try:
+            _load_library(aot)
+            return f"ahead-of-time build {aot}"
+        except (OSError, RuntimeError) as err:  # e.g. built against another torch: try the JIT
+            if _registered():
+                return f"ahead-of-time build {aot}"
+            aot_err = err
+    else:
+        aot_err = None
+    src = source_dir()
+    if src is None:
+        msg = "the C++ sources (csrc/) are not installed"
+        if aot_err is not None:
+            msg += f" and the ahead-of-time library failed to load: {aot_err}"
+        raise CppUnavailable(msg)
+    return _jit_build(src)
+
+
+def load() -> str:
+    """Load (building if needed) the C++ ops once per process; returns how. Raises ``CppUnavailable``."""
+    with _lock:
+        if _state["loaded"]:
+            return _state["how"]
+        if _state["error"] is not None:
+            raise CppUnavailable(_state["error"])
+        try:
+            how = _load_impl()
+        except Exception as err:
+            reason = str(err) if isinstance(err, CppUnavailable) else f"{type(err).__name__}: {err}"
+            _state["error"] = reason
+            if not _state["warned"]:
+                _state["warned"] = True
+                warnings.warn(f"kltriton: the C++ CPU backend is unavailable, using the PyTorch "
+                              f"reference instead: {reason}", RuntimeWarning, stacklevel=2)
+            raise CppUnavailable(reason) from err
+        if not _registered():  # pragma: no cover - a library without the ops
+            _state["error"] = f"loaded {how} but torch.ops.{NAMESPACE} has no stream_forward"
+            raise CppUnavailable(_state["error"])
+        _state["loaded"], _state["how"] = True, how
+        return how
+
+
+def availability(build: bool = True) -> tuple[bool, str]:
+    """``(usable, why)``. Builds / loads on first call unless ``build=False`` (then only says
+    whether loading could work: ops registered, an AOT library, a cached build or a compiler)."""
+    with _lock:
+        if _state["loaded"]:
+            return True, _state["how"]
+        if _state["error"] is not None:
+            return False, _state["error"]
+    if not build:
+        if _registered():
+            return True, "already registered in this process"
+        if aot_library_path() is not None:
+            return True, f"ahead-of-time build {aot_library_path()} (not loaded yet)"
+        src = source_dir()
+        if src is None:
+            return False, "the C++ sources (csrc/) are not installed"
+        if (cache_root() / build_key(src) / _OK_MARKER).is_file():
+            return True, "cached JIT build (not loaded yet)"
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            return False, f"no C++ compiler: {compiler!r} not found (set CXX to a C++17 compiler)"
+        from torch.utils import cpp_extension
+
+        if not cpp_extension.is_ninja_available():
+            return False, "ninja is not available (pip install ninja)"
+        return True, f"buildable with {compiler} (compiled on first use)"
+    try:
+        return True, load()
+    except CppUnavailable as err:
+        return False, str(err)
+
+
+def _reset_for_tests() -> None:
+    """Forget the load outcome (not the library: a registered namespace is never loaded again)."""
+    with _lock:
+        _state.update(loaded=False, how=None, error=None, warned=False)
+
+
+# ----------------------------------------------------------------------------- backend interface
+
+def _prepare(logits, ref_logits):
+    if logits.device.type != "cpu" or (ref_logits is not None and ref_logits.device.type != "cpu"):
+        raise ValueError("the C++ backend takes CPU tensors only")
+    if ref_logits is not None and ref_logits.dtype != logits.dtype:
+        # Mixed dtypes: run both in float32 (a copy; the kernels take one dtype per call).
+        logits, ref_logits = logits.float(), ref_logits.float()
+    return logits, ref_logits
+
+
+def _supported(logits, ref_logits) -> bool:
+    return logits.dtype in SUPPORTED_DTYPES and (ref_logits is None or ref_logits.dtype in SUPPORTED_DTYPES)
+
+
+def _f32(t):
+    return None if t is None else t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
+    """See ``kltriton.kernels``. float64 (or other) dtypes are delegated to the reference."""
+    if not _supported(logits, ref_logits):
+        from kltriton import reference
+
+        return reference.forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
+    load()
+    logits, ref_logits = _prepare(logits, ref_logits)
+    x3 = as_rows3d(logits.detach())
+    y3 = as_rows3d(ref_logits.detach()) if ref_logits is not None else None
+    tgt = target.detach().reshape(-1).to(torch.int64).contiguous()
+    outs = torch.ops.kltriton_cpp.stream_forward(x3, y3, tgt, float(temperature), bool(with_entropy),
+                                                 bool(with_full_kl))
+    return StreamStats(*outs)
+
+
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
+             g_full_kl, full_kl) -> torch.Tensor:
+    """See ``kltriton.kernels``. Returns a contiguous tensor shaped like ``logits`` in its dtype."""
+    if not _supported(logits, ref_logits):
+        from kltriton import reference
+
+        return reference.backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp,
+                                  g_entropy, entropy, g_full_kl, full_kl)
+    load()
+    out_dtype, shape = logits.dtype, logits.shape
+    if g_full_kl is None:
+        ref_logits = None  # the reference is only read for the full-KL term
+    logits, ref_logits = _prepare(logits, ref_logits)
+    x3 = as_rows3d(logits.detach())
+    y3 = as_rows3d(ref_logits.detach()) if ref_logits is not None else None
+    tgt = target.detach().reshape(-1).to(torch.int64).contiguous()
+    n = tgt.numel()
+    gl = _f32(g_logp) if g_logp is not None else torch.zeros(n, dtype=torch.float32)
+    if g_entropy is not None and entropy is None:
+        raise ValueError("g_entropy needs entropy")
+    grad = torch.ops.kltriton_cpp.stream_backward(
+        x3, y3, tgt, float(temperature), _f32(lse), _f32(ref_lse) if y3 is not None else None, gl,
+        _f32(g_entropy), _f32(entropy) if g_entropy is not None else None, _f32(g_full_kl),
+        _f32(full_kl) if g_full_kl is not None else None)
+    return grad.view(shape) if grad.dtype == out_dtype else grad.to(out_dtype).view(shape)

@@ -1,0 +1,201 @@
+"""The C++ CPU kernels against the PyTorch reference run in float64 (``kltriton.reference``).
+
+Focused numeric checks of ``kltriton.kernels.cpp_stream.forward / backward``: odd vocab sizes
+(tails shorter than a SIMD vector), long rows, -inf entries and all -inf rows, magnitudes 1e4,
+temperatures, skipped (-1) and out-of-range (-2) targets, strided views, the three input dtypes,
+entropy, full KL and random upstream gradients. Skipped when the backend cannot be built here.
+"""
+import pytest
+import torch
+
+from kltriton import reference
+from kltriton.kernels import cpp_stream
+
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpp():
+    ok, why = cpp_stream.availability()
+    if not ok:
+        pytest.skip(f"C++ backend unavailable: {why}")
+
+
+def _ref_forward(x, y, t, temperature, ent, kl):
+    return reference.forward(x.double(), None if y is None else y.double(), t, temperature, ent, kl)
+
+
+def _close(actual, expected, rtol, atol, what):
+    actual = actual.double()
+    expected = expected.double()
+    assert actual.shape == expected.shape, what
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), f"{what}: NaN pattern differs"
+    inf_a, inf_e = torch.isinf(actual), torch.isinf(expected)
+    assert torch.equal(inf_a, inf_e), f"{what}: inf pattern differs"
+    assert torch.equal(actual[inf_a], expected[inf_e]), f"{what}: inf signs differ"
+    fin = torch.isfinite(expected)
+    torch.testing.assert_close(actual[fin], expected[fin], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _make(shape, dtype, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * scale
+    y = x + torch.randn(*shape, generator=g) * (0.5 * scale)
+    return x.to(dtype), y.to(dtype)
+
+
+def _targets(n, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    if n >= 3:
+        t[1] = -1
+        t[-1] = -2
+    return t
+
+
+def _check(x, y, t, temperature, ent, kl, grad_rtol, seed=2, out_rtol=2e-5):
+    """Forward and backward of the C++ backend against the float64 reference."""
+    got = cpp_stream.forward(x, y, t, temperature, ent, kl)
+    exp = _ref_forward(x, y, t, temperature, ent, kl)
+    n = t.numel()
+    for name in got._fields:
+        a, e = getattr(got, name), getattr(exp, name)
+        assert a.dtype == torch.float32 and a.shape == e.shape, name
+        if a.numel():
+            scale = 1e-5 * max(1.0, x.float().abs().nan_to_num(0, 0, 0).max().item() / temperature)
+            _close(a, e, out_rtol, scale, name)
+    assert (got.logp[t >= 0].nan_to_num(0.0) <= 0).all()
+    # backward with random upstream grads, stats from the C++ forward fed to both
+    g = torch.Generator().manual_seed(seed)
+    gl = torch.randn(n, generator=g)
+    ge = torch.randn(n, generator=g) if ent else None
+    gk = torch.randn(n, generator=g) if kl else None
+    args = (t, temperature, got.lse, got.ref_lse if y is not None else None, gl, ge,
+            got.entropy if ent else None, gk, got.full_kl if kl else None)
+    grad = cpp_stream.backward(x, y, *args)
+    assert grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
+    dbl = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    eg = reference.backward(x.double(), None if y is None else y.double(), *dbl)
+    atol = 1e-6 + grad_rtol * eg.abs().nan_to_num(0, 0, 0).max().item() * 1e-2
+    _close(grad, eg, grad_rtol, atol, "grad")
+    rows = grad.reshape(-1, x.shape[-1])
+    assert (rows[t < 0] == 0).all()
+    return got
+
+
+GRAD_RTOL = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 7, 1001), (41, 4099), (4, 5), (6, 16), (5, 33)])
+def test_forward_backward_matrix(shape, dtype):
+    x, y = _make(shape, dtype)
+    xf = x.reshape(-1, shape[-1])
+    xf[0, 3] = NEG_INF  # a -inf entry in policy and reference
+    y.reshape(-1, shape[-1])[0, 3] = NEG_INF
+    n = xf.shape[0]
+    t = _targets(n, shape[-1])
+    _check(x, y, t, 0.7, True, True, GRAD_RTOL[dtype])
+    _check(x, None, t, 1.0, False, False, GRAD_RTOL[dtype])
+    _check(x, None, t, 1.3, True, False, GRAD_RTOL[dtype])
+    _check(x, y, t, 1.0, False, False, GRAD_RTOL[dtype])
+
+
+def test_long_rows_two_rows():
+    x, y = _make((2, 70001), torch.float32)
+    t = torch.tensor([70000, 12345])
+    _check(x, y, t, 0.7, True, True, 2e-4)
+
+
+def test_large_magnitudes():
+    x, y = _make((9, 3001), torch.float32, scale=1e4)
+    t = _targets(9, 3001)
+    _check(x, None, t, 0.7, True, False, 1e-3, out_rtol=1e-5)
+    _check(x, y, t, 1.0, False, False, 1e-3, out_rtol=1e-5)
+    # With the full KL the gradient has p * (log p - log q - KL), a cancellation of terms of
+    # size |x| / T evaluated in fp32 (~1e-7 * 1e4 absolute), inherent to fp32 statistics.
+    _check(x, y, t, 0.7, True, True, 1e-2, out_rtol=1e-5)
+
+
+def test_neg_inf_rows_and_entries():
+    x, y = _make((6, 257), torch.float32)
+    x[2] = NEG_INF  # an all -inf row: NaN outputs, lse -inf, zero gradient
+    x[3, ::2] = NEG_INF  # half the vocab masked in the policy only
+    y[4, 1::2] = NEG_INF  # reference -inf where the policy has mass: full KL = +inf
+    t = torch.tensor([0, 5, 7, 8, 9, 10])
+    t[3] = 0  # label on a -inf logit: logp = -inf
+    got = _check(x, y, t, 0.7, True, False, 2e-4)
+    assert torch.isnan(got.logp[2]) and torch.isnan(got.entropy[2]) and got.lse[2] == NEG_INF
+    assert got.logp[3] == NEG_INF
+    kl = cpp_stream.forward(x, y, t, 0.7, False, True).full_kl
+    exp = _ref_forward(x, y, t, 0.7, False, True).full_kl
+    _close(kl, exp, 1e-4, 1e-5, "full_kl")
+    assert kl[4] == float("inf") and torch.isnan(kl[2])
+
+
+def test_skipped_rows_are_not_read():
+    x, y = _make((5, 100), torch.float32)
+    t = torch.tensor([-1, 3, -2, 4, -1])
+    x[t < 0] = float("nan")  # a row that were read would give NaN everywhere
+    y[t < 0] = float("nan")
+    got = cpp_stream.forward(x, y, t, 1.0, True, True)
+    for name in ("logp", "entropy", "ref_logp", "full_kl"):
+        v = getattr(got, name)
+        assert (v[[0, 4]] == 0).all() and torch.isnan(v[2]) and torch.isfinite(v[[1, 3]]).all(), name
+    assert (got.lse[[0, 2, 4]] == 0).all()
+    grad = cpp_stream.backward(x, y, t, 1.0, got.lse, got.ref_lse, torch.ones(5), torch.ones(5), got.entropy,
+                               torch.ones(5), got.full_kl)
+    assert (grad[t < 0] == 0).all() and torch.isfinite(grad[t >= 0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_views(dtype):
+    full, yfull = _make((3, 9, 515), dtype)
+    x = full[:, :-1]  # [B, T-1, V] view with a row stride gap
+    y = yfull.contiguous()[:, 1:]  # other strides than x
+    assert not x.is_contiguous()
+    t = _targets(3 * 8, 515)
+    _check(x, y, t, 0.7, True, True, GRAD_RTOL[dtype])
+    # reference logits contiguous while the policy is a view
+    _check(x, yfull[:, :-1].contiguous(), t, 1.0, True, True, GRAD_RTOL[dtype])
+    # transposed leading dims (unmergeable strides)
+    xt = full.transpose(0, 1)
+    _check(xt, yfull.transpose(0, 1), _targets(27, 515), 1.0, True, True, GRAD_RTOL[dtype])
+
+
+def test_mixed_dtypes_and_float64():
+    x, _ = _make((4, 300), torch.float32)
+    y = (x + 0.1).bfloat16()
+    t = torch.tensor([1, 2, -1, 3])
+    got = cpp_stream.forward(x, y, t, 1.0, False, True)
+    exp = _ref_forward(x, y.float(), t, 1.0, False, True)
+    _close(got.full_kl, exp.full_kl, 1e-4, 1e-5, "full_kl")
+    g = cpp_stream.backward(x, y, t, 1.0, got.lse, got.ref_lse, torch.ones(4), None, None, torch.ones(4),
+                            got.full_kl)
+    assert g.dtype == torch.float32
+    # float64 is delegated to the reference
+    r = cpp_stream.forward(x.double(), None, t, 1.0, True, False)
+    _close(r.logp, _ref_forward(x, None, t, 1.0, True, False).logp, 1e-12, 1e-12, "fp64")
+
+
+def test_empty_and_single_element_vocab():
+    x = torch.randn(0, 7)
+    got = cpp_stream.forward(x, x, torch.empty(0, dtype=torch.long), 1.0, True, True)
+    assert all(v.numel() == 0 for v in got)
+    g = cpp_stream.backward(x, None, torch.empty(0, dtype=torch.long), 1.0, got.lse, None, got.logp, None, None,
+                            None, None)
+    assert g.shape == (0, 7)
+    x1 = torch.randn(3, 1)
+    got = cpp_stream.forward(x1, None, torch.zeros(3, dtype=torch.long), 1.0, True, False)
+    assert (got.logp == 0).all() and (got.entropy.abs() < 1e-6).all()
+
+
+def test_nan_logits_give_nan():
+    x = torch.randn(3, 100)
+    x[1, 50] = float("nan")
+    x[2, 7] = float("inf")
+    got = cpp_stream.forward(x, None, torch.tensor([0, 1, 2]), 1.0, True, False)
+    assert torch.isfinite(got.logp[0]) and torch.isnan(got.logp[1:]).all() and torch.isnan(got.entropy[1:]).all()
+    g = cpp_stream.backward(x, None, torch.tensor([0, 1, 2]), 1.0, got.lse, None, torch.ones(3), None, None, None,
+                            None)
+    assert torch.isfinite(g).all()
