@@ -13,15 +13,18 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SKIP, OUT_OF_RANGE = -1, -2
 
 
-def set_validation(enabled: bool) -> None:
+def set_validation(enabled: bool) -> bool:
     """Turn the host-side value checks on (default) or off.
 
     The checks that need the data on the host (labels inside ``[0, V)``, ``cu_seqlens``
     well formed) synchronize with the device; switch them off in hot loops. Kernels never
     read out of bounds either way: an out-of-range label then gives NaN at its position.
+
+    Returns the previous setting, so a caller can restore it.
     """
     global _VALIDATE
-    _VALIDATE = bool(enabled)
+    previous, _VALIDATE = _VALIDATE, bool(enabled)
+    return previous
 
 
 def host_checks() -> bool:

@@ -82,25 +82,23 @@ def _timed(fn, device, repeats=7):
     return statistics.median(times) * 1e3
 
 
-def _peak_bytes(path, which, device):
-    """Peak memory of one call above the loaded inputs: CUDA allocator stats on GPU; on CPU
-    the peak resident size (VmHWM, reset through /proc/self/clear_refs) of a fresh process."""
+def _peak_bytes(call, inputs, which, device):
+    """Peak memory of ``call()`` above its inputs: the CUDA allocator's peak on GPU; on CPU the
+    peak resident size (VmHWM, reset through /proc/self/clear_refs) of a fresh process that
+    loads ``inputs`` and runs the ``which`` path once."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        _run_saved(path, which)
+        call()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    code = f"from kltriton.demo import _child_peak; _child_peak({path!r}, {which!r})"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "inputs.pt")
+        torch.save(inputs, path)
+        code = f"from kltriton.demo import _child_peak; _child_peak({path!r}, {which!r})"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(done.stdout.strip().splitlines()[-1])
-
-
-def _run_saved(path, which):
-    data = torch.load(path)
-    fn = fused if which == "fused" else eager_rewards
-    return fn(data["logits"], data["ref_logits"], data["ids"], data["cu_seqlens"], data["scores"], COEF)
 
 
 def _status_kib(field):
@@ -146,7 +144,7 @@ def main(argv=None):
 
     out = fused(logits, ref_logits, ids, cu_seqlens, scores, COEF)
     eager_reward, eager_kl = eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, COEF)
-    print(f"{'seq':>3} {'tokens':>6} {'scored':>6} {'mean KL':>10} {'score':>7} {'sum reward':>11}")
+    print(f"{'seq':>3} {'tokens':>6} {'scored':>6} {'mean k1 KL':>10} {'score':>7} {'sum reward':>11}")
     for s, n in enumerate(LENGTHS):
         span = slice(int(cu_seqlens[s]), int(cu_seqlens[s + 1]))
         print(f"{s:>3} {n:>6} {max(n - 1, 0):>6} {out.kl_per_seq[s].item():>10.5f} {scores[s].item():>7.3f} "
@@ -155,13 +153,12 @@ def main(argv=None):
     agree = err < 1e-4
     print(f"\nagreement with eager: max |difference| = {err:.2e} -> {'OK' if agree else 'MISMATCH'}")
 
-    t_fused = _timed(lambda: fused(logits, ref_logits, ids, cu_seqlens, scores, COEF), device)
-    t_eager = _timed(lambda: eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, COEF), device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "inputs.pt")
-        torch.save({"logits": logits, "ref_logits": ref_logits, "ids": ids, "cu_seqlens": cu_seqlens,
-                    "scores": scores}, path)
-        mem_fused, mem_eager = _peak_bytes(path, "fused", device), _peak_bytes(path, "eager", device)
+    run_fused = lambda: fused(logits, ref_logits, ids, cu_seqlens, scores, COEF)  # noqa: E731
+    run_eager = lambda: eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, COEF)  # noqa: E731
+    t_fused, t_eager = _timed(run_fused, device), _timed(run_eager, device)
+    inputs = {"logits": logits, "ref_logits": ref_logits, "ids": ids, "cu_seqlens": cu_seqlens, "scores": scores}
+    mem_fused = _peak_bytes(run_fused, inputs, "fused", device)
+    mem_eager = _peak_bytes(run_eager, inputs, "eager", device)
     mib = 2.0 ** 20
     print(f"\n{'':<22}{'time (ms)':>10}{'peak extra memory (MiB)':>26}")
     print(f"{'kltriton (' + backend + ')':<22}{t_fused:>10.2f}{mem_fused / mib:>26.1f}")

@@ -117,3 +117,39 @@ def test_out_of_range_label_without_validation_gives_nan(backend, device):
         kltriton.set_validation(True)
     assert torch.isfinite(out[0]) and torch.isnan(out[1:]).all()
     assert bool((logits.grad[1:] == 0).all())
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: (torch.randn(4, 0), torch.zeros(4, dtype=torch.long)), ValueError, "V == 0"),
+    (lambda: ([[0.1, 0.2]], torch.zeros(1, dtype=torch.long)), TypeError, "logits"),
+    (lambda: (torch.randn(4, 9).long(), torch.zeros(4, dtype=torch.long)), TypeError, "logits"),
+    (lambda: (torch.randn(4, 9), torch.zeros(4)), TypeError, "labels"),
+    (lambda: (torch.randn(4, 9), torch.zeros(5, dtype=torch.long)), ValueError, "labels"),
+    (lambda: (torch.randn(4, 9), torch.zeros(4, dtype=torch.long, device="meta")), ValueError, "labels"),
+])
+def test_bad_input(make, error, match):
+    logits, labels = make()
+    with pytest.raises(error, match=match):
+        kltriton.token_logprobs(logits, labels)
+
+
+def test_bad_keyword_arguments():
+    logits, labels = torch.randn(2, 3, 9), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature"):
+        kltriton.token_logprobs(logits, labels, temperature=-1.0)
+    with pytest.raises(TypeError, match="temperature"):
+        kltriton.token_logprobs(logits, labels, temperature="hot")
+    with pytest.raises(ValueError, match="mask"):
+        kltriton.token_logprobs(logits, labels, mask=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kltriton.token_logprobs(logits, labels, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="backend"):
+        kltriton.token_logprobs(logits, labels, backend="gpu")
+
+
+def test_env_var_forces_backend(monkeypatch):
+    monkeypatch.setenv("KLTRITON_BACKEND", "nope")
+    with pytest.raises(ValueError, match="KLTRITON_BACKEND"):
+        kltriton.token_logprobs(torch.randn(2, 9), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setenv("KLTRITON_BACKEND", "reference")
+    assert kltriton._backends.resolve(None, torch.randn(2, 9)) == "reference"

@@ -41,7 +41,7 @@ def op_samples(backend):
                             stats.full_kl, backend)
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpp"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
 def test_opcheck(backend_name):
     usable, why = _backends.availability(backend_name)
     if not usable:

@@ -1,0 +1,1 @@
+"""Performance-regression benchmarks for kltriton: ``python -m benchmarks run|compare|plot``."""

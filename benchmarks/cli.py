@@ -1,0 +1,80 @@
+"""Command line: ``python -m benchmarks run | compare | plot`` (see ``--help`` of each)."""
+import argparse
+import datetime
+import importlib
+import json
+import re
+from pathlib import Path
+
+from benchmarks import harness
+
+OPS = ("token_logprobs", "token_kl", "fused_kl_reward")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="time every op and baseline, write a JSON list of rows")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--grid", choices=tuple(harness.GRIDS), default="small")
+    run.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    run.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON (default benchmarks/results)")
+    compare = sub.add_parser("compare", help="exit 1 when a kltriton row got slower than OLD beyond noise")
+    compare.add_argument("old", type=Path)
+    compare.add_argument("new", type=Path)
+    compare.add_argument("--threshold", type=float, default=0.10, help="allowed median slowdown (default 0.10)")
+    plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
+    plot.add_argument("results", type=Path)
+    return parser
+
+
+def _run(args) -> int:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device is available")
+        return 2
+    rows = []
+    for op in args.ops:
+        rows += harness.run_op(importlib.import_module(f"benchmarks.bench_{op}"), harness.GRIDS[args.grid], args.device)
+    slug = re.sub(r"[^a-z0-9]+", "-", rows[0]["device_name"].lower()).strip("-")[:40]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.device}-{slug}_{args.grid}_{stamp}.json"
+    path.write_text(json.dumps(rows, indent=1))
+    print()
+    print(headline(rows))
+    print(f"\nwrote {len(rows)} rows to {path}")
+    return 0
+
+
+def headline(rows) -> str:
+    """Median ms per backend (columns) for every op / mode / case (lines); '-' where not run."""
+    timed = [r for r in rows if r["kind"] != "bandwidth" and r["time_ms_median"] is not None]
+    names = list(dict.fromkeys(r["backend"] for r in timed))
+    cases = {}
+    for r in timed:
+        key = (r["op"], r["mode"], r["tokens"], r["vocab"], r["dtype"], r["masked_frac"])
+        cases.setdefault(key, {})[r["backend"]] = r["time_ms_median"]
+    lines = [f"{'op':16s} {'mode':8s} {'tokens':>6s} {'vocab':>7s} {'dtype':5s} {'mask':>4s} "
+             + " ".join(f"{n:>14s}" for n in names)]
+    for (op, mode, tokens, vocab, dtype, masked), by_name in cases.items():
+        cells = " ".join(f"{by_name[n]:14.2f}" if n in by_name else f"{'-':>14s}" for n in names)
+        lines.append(f"{op:16s} {mode:8s} {tokens:6d} {vocab:7d} {dtype:5s} {masked:4.2f} {cells}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "compare":
+        from benchmarks.compare import compare
+
+        return 1 if compare(args.old, args.new, args.threshold) else 0
+    from benchmarks.plot import plot
+
+    for path in plot(args.results):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,153 @@
+"""Speed of the C++ CPU backend relative to eager PyTorch and to a single read of the logits.
+
+Run: ``python benchmarks/cpu_cpp_ratios.py [--repeat 7] [--threads N]``. Prints a table and writes
+``benchmarks/results/cpu_cpp_ratios.json``. Every number is the best wall time of ``--repeat``
+runs after a warm-up; ratios > 1 mean the C++ kernel is faster (``speedup``) or, for the
+``x_read`` rows, how many times a plain read (``amax``) the kernel takes.
+
+Targets (issue 5): forward >= 8x faster than log_softmax+gather and <= 3x an amax read;
+bf16 >= 10x faster than log_softmax(x.float())+gather; backward >= 4x faster than eager autograd;
+KL forward with both logits (with and without the full KL) <= 2x reading both once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kltriton.kernels import cpp_stream  # noqa: E402
+
+
+def timeit(fn, repeat: int) -> float:
+    """Best wall time of ``repeat`` runs after a warm-up (robust to other load on a small box)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cpp_ratios.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    how = cpp_stream.load()
+    torch.manual_seed(0)
+    rep = args.repeat
+    rows = []
+
+    def add(name, kernel_s, base_name, base_s, kind, target):
+        ratio = base_s / kernel_s if kind == "speedup" else kernel_s / base_s
+        ok = ratio >= target if kind == "speedup" else ratio <= target
+        rows.append({"case": name, "kernel_ms": kernel_s * 1e3, "baseline": base_name, "baseline_ms": base_s * 1e3,
+                     "metric": kind, "ratio": ratio, "target": target, "meets_target": ok})
+
+    # 1. forward token log-probs, fp32 2048 x 32000
+    n, v = 2048, 32000
+    x = torch.randn(n, v)
+    t = torch.randint(0, v, (n,))
+    fwd = lambda: cpp_stream.forward(x, None, t, 1.0, False, False)  # noqa: E731
+    k = timeit(fwd, rep)
+    add("fwd logp fp32 2048x32000", k, "log_softmax+gather", timeit(lambda: torch.log_softmax(x, -1).gather(1, t[:, None]), rep),
+        "speedup", 8.0)
+    amax_x = timeit(lambda: x.amax(-1), rep)
+    add("fwd logp fp32 2048x32000", k, "amax (one read)", amax_x, "x_read", 3.0)
+
+    # 2. bf16 1024 x 151936
+    nb, vb = 1024, 151936
+    xb = torch.randn(nb, vb).bfloat16()
+    tb = torch.randint(0, vb, (nb,))
+    kb = timeit(lambda: cpp_stream.forward(xb, None, tb, 1.0, False, False), rep)
+    add("fwd logp bf16 1024x151936", kb, "log_softmax(x.float())+gather",
+        timeit(lambda: torch.log_softmax(xb.float(), -1).gather(1, tb[:, None]), max(3, rep // 2)), "speedup", 10.0)
+    add("fwd logp bf16 1024x151936", kb, "amax (one read)", timeit(lambda: xb.amax(-1), rep), "x_read", 3.0)
+    del xb
+
+    # 3. backward fp32 2048 x 32000 vs eager autograd of log_softmax + gather. Both allocate their
+    # [N, V] outputs; the C++ kernel asks for transparent huge pages for its one output (fewer page
+    # faults), eager autograd allocates three [N, V] tensors on the default 4 KiB pages.
+    st = cpp_stream.forward(x, None, t, 1.0, False, False)
+    g = torch.randn(n)
+    kbw = timeit(lambda: cpp_stream.backward(x, None, t, 1.0, st.lse, None, g, None, None, None, None), rep)
+    xr = x.clone().requires_grad_()
+
+    def eager_bw():
+        out = torch.log_softmax(xr, -1).gather(1, t[:, None]).squeeze(1)
+        (gx,) = torch.autograd.grad(out, xr, g)
+        return gx
+
+    add("bwd logp fp32 2048x32000", kbw, "eager autograd log_softmax+gather", timeit(eager_bw, max(3, rep // 2)),
+        "speedup", 4.0)
+    del xr
+
+    # 4. KL forward with both logits vs reading both once
+    y = x + 0.1 * torch.randn(n, v)
+    both = timeit(lambda: (x.amax(-1), y.amax(-1)), rep)
+    kkl = timeit(lambda: cpp_stream.forward(x, y, t, 1.0, False, False), rep)
+    add("fwd KL both logits fp32 2048x32000", kkl, "amax(x)+amax(y)", both, "x_read", 2.0)
+    kfull = timeit(lambda: cpp_stream.forward(x, y, t, 1.0, False, True), rep)
+    add("fwd full KL fp32 2048x32000", kfull, "amax(x)+amax(y)", both, "x_read", 2.0)
+    kent = timeit(lambda: cpp_stream.forward(x, None, t, 1.0, True, False), rep)
+    add("fwd logp+entropy fp32 2048x32000", kent, "amax (one read)", amax_x, "x_read", 3.0)
+
+    print(f"device: cpu ({cpu_name()}), threads={torch.get_num_threads()}, torch {torch.__version__}, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"C++ backend: {how}")
+    print(f"{'case':36s} {'kernel ms':>10s} {'baseline':36s} {'base ms':>9s} {'ratio':>8s} {'target':>10s}  ok")
+    for r in rows:
+        tgt = (">= " if r["metric"] == "speedup" else "<= ") + f"{r['target']:g}x"
+        label = "faster" if r["metric"] == "speedup" else "of read"
+        print(f"{r['case']:36s} {r['kernel_ms']:10.2f} {r['baseline']:36s} {r['baseline_ms']:9.2f} "
+              f"{r['ratio']:7.2f}x {tgt:>10s}  {'yes' if r['meets_target'] else 'NO'} ({label})")
+    result = {
+        "device": "cpu",
+        "cpu_model": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "git_commit": git_commit(),
+        "backend": how,
+        "repeat": rep,
+        "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
