@@ -5,6 +5,7 @@ over the automatic choice. Backend modules are imported on first use, so ``impor
 neither imports Triton nor compiles anything, and never touches CUDA.
 """
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -30,6 +31,8 @@ def availability(name: str):
             importlib.import_module("triton")
         except ImportError as err:  # pragma: no cover - triton is a dependency
             return False, f"triton is not importable: {err}"
+        if triton_interpreted() and importlib.util.find_spec("numpy") is None:
+            return False, "TRITON_INTERPRET=1 is set but Triton's interpreter needs numpy (pip install numpy)"
         return True, "CUDA tensors" + (", and CPU tensors under TRITON_INTERPRET=1" if triton_interpreted() else "")
     if name == "cpp":
         try:
@@ -62,9 +65,13 @@ def _resolve(backend, device_type: str, is_float64: bool) -> str:
         return "reference"
     if name != "reference" and is_float64:
         raise TypeError(f"float64 logits run on the reference backend only, not backend={name!r}")
-    if name == "triton" and device_type != "cuda" and not (device_type == "cpu" and triton_interpreted()):
-        raise ValueError(f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before kltriton is imported); logits are on {device_type}")
+    if name == "triton":
+        if device_type != "cuda" and not (device_type == "cpu" and triton_interpreted()):
+            raise ValueError(f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 "
+                             f"set before kltriton is imported); logits are on {device_type}")
+        usable, why = availability("triton")
+        if not usable:
+            raise RuntimeError(f"backend='triton' is not available: {why}")
     if name == "cpp":
         if device_type != "cpu":
             raise ValueError(f"backend='cpp' needs CPU tensors; logits are on {device_type}")
