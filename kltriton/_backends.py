@@ -47,7 +47,15 @@ def resolve(backend, logits):
     return _resolve(backend, logits.device.type, logits.dtype == torch.float64)
 
 
-@torch.compiler.assume_constant_result
+def _constant_for_dynamo(fn):
+    """What ``torch.compiler.assume_constant_result`` does (it sets this flag), without importing
+    ``torch._dynamo`` (about 1 s, and Triton) when kltriton is imported. The fullgraph compile
+    tests fail if a torch release stops honouring the flag."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_for_dynamo
 def _resolve(backend, device_type: str, is_float64: bool) -> str:
     # Plain values in, a string out: torch.compile runs this once while tracing and keeps
     # the answer instead of tracing into the imports and availability checks.
