@@ -156,14 +156,8 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
                            const std::optional<at::Tensor>& entropy,
                            const std::optional<at::Tensor>& g_full_kl,
                            const std::optional<at::Tensor>& full_kl) {
-  check_rows3d(logits3d, "logits");
-  const int64_t N = logits3d.size(0) * logits3d.size(1);
-  const int64_t V = logits3d.size(2);
-  TORCH_CHECK(V > 0, "kltriton_cpp: the vocabulary size must be > 0");
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature),
-              "kltriton_cpp: temperature must be a finite number > 0");
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
-              "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
+  int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
   const bool has_ent = g_entropy.has_value();
   const bool has_kl = g_full_kl.has_value();
   Inputs in{};

@@ -5,6 +5,9 @@
 // is the 512/256-bit specialisation, or the portable one for DEFAULT.
 #pragma once
 
+#include <tuple>
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -154,6 +157,21 @@ inline void check_rows3d(const at::Tensor& t, const char* name) {
   auto dt = t.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "kltriton_cpp: ", name, " must be float32, bfloat16 or float16, got ", dt);
+}
+
+// Checks shared by both ops: the policy view, the per-row target and the temperature.
+// Returns {N, V}: rows and vocabulary size.
+inline std::pair<int64_t, int64_t> check_stream_args(const at::Tensor& logits3d, const at::Tensor& target,
+                                                     double temperature) {
+  check_rows3d(logits3d, "logits");
+  const int64_t N = logits3d.size(0) * logits3d.size(1);
+  const int64_t V = logits3d.size(2);
+  TORCH_CHECK(V > 0, "kltriton_cpp: the vocabulary size must be > 0");
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature),
+              "kltriton_cpp: temperature must be a finite number > 0");
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
+              "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
+  return {N, V};
 }
 
 // Rows per parallel task: enough vocabulary to amortise the task overhead.

@@ -257,14 +257,8 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
                                        const at::Tensor& target, double temperature,
                                        bool with_entropy, bool with_full_kl) {
-  check_rows3d(logits3d, "logits");
-  const int64_t N = logits3d.size(0) * logits3d.size(1);
-  const int64_t V = logits3d.size(2);
-  TORCH_CHECK(V > 0, "kltriton_cpp: the vocabulary size must be > 0");
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature),
-              "kltriton_cpp: temperature must be a finite number > 0");
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
-              "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
+  int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
   const bool has_ref = ref3d.has_value();
   TORCH_CHECK(!with_full_kl || has_ref, "kltriton_cpp: with_full_kl needs ref_logits");
   if (has_ref) {

@@ -80,7 +80,7 @@ def compile_flags(cap: str | None = None) -> list[str]:
             *_ISA_FLAGS[cap]]
 
 
-LINK_FLAGS = ["-fopenmp"]
+LINK_FLAGS = ("-fopenmp",)  # a tuple: torch's cpp_extension.load appends to the lists it is given
 
 
 def _package_dir() -> Path:
@@ -106,7 +106,7 @@ def build_key(src: Path, cap: str | None = None) -> str:
     h = hashlib.sha256()
     for f in SOURCES + HEADERS:
         h.update(f.encode() + b"\0" + (src / f).read_bytes() + b"\0")
-    h.update(" ".join(compile_flags(cap) + LINK_FLAGS).encode())
+    h.update(" ".join(compile_flags(cap) + list(LINK_FLAGS)).encode())
     h.update(f"{sys.platform}-{torch.__version__}".encode())
     torch_ver = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
     return f"torch{torch_ver}-{cap.lower()}-{h.hexdigest()[:16]}"
@@ -212,7 +212,7 @@ def _jit_build(src: Path) -> str:
                 name=name,
                 sources=[str(src / f) for f in SOURCES],
                 extra_cflags=compile_flags(cap),
-                extra_ldflags=LINK_FLAGS,
+                extra_ldflags=list(LINK_FLAGS),
                 extra_include_paths=[str(src)],
                 build_directory=str(build_dir),
                 is_python_module=False,
