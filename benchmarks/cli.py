@@ -24,6 +24,8 @@ def _parser():
     compare.add_argument("old", type=Path)
     compare.add_argument("new", type=Path)
     compare.add_argument("--threshold", type=float, default=0.10, help="allowed median slowdown (default 0.10)")
+    compare.add_argument("--absolute", action="store_true",
+                         help="compare raw times (default: correct kltriton rows for the eager baseline's drift)")
     plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
     plot.add_argument("results", type=Path)
     return parser
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     if args.command == "compare":
         from benchmarks.compare import compare
 
-        return 1 if compare(args.old, args.new, args.threshold) else 0
+        return 1 if compare(args.old, args.new, args.threshold, args.absolute) else 0
     from benchmarks.plot import plot
 
     for path in plot(args.results):

@@ -57,6 +57,7 @@ class Grid:
     cases: tuple
     skip: tuple = ()           # method names not run on this grid
     cpu_target_s: float = 0.3  # CPU: repeat until about this much time is spent (3..20 repeats)
+    cpu_rounds: int = 3        # CPU: time every row this many times, round-robin over the case's rows
 
 
 def _full_grid():
@@ -122,19 +123,21 @@ def bytes_moved(case: Case, n_models: int, mode: str) -> int:
 
 # --- timers -------------------------------------------------------------------------------------
 
-def time_ms(fn, device: str, cpu_target_s: float = 0.3) -> list:
+def time_ms(fn, device: str, cpu_target_s: float = 0.3, warmup: bool = True, min_repeats: int = 3) -> list:
     """Per-call times in ms. CUDA: ``triton.testing.do_bench`` (warm-up, L2 flush, CUDA events).
-    CPU: one warm-up call, then ``perf_counter`` over 3..20 calls (about ``cpu_target_s``)."""
+    CPU: one warm-up call (unless ``warmup=False``), then ``perf_counter`` over
+    ``min_repeats``..20 calls (about ``cpu_target_s``)."""
     if device == "cuda":
         import triton.testing
 
         return list(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="all"))
-    fn()
+    if warmup:
+        fn()
     start = time.perf_counter()
     fn()
     first = time.perf_counter() - start
     times = [first * 1e3]
-    for _ in range(min(19, max(2, math.ceil(cpu_target_s / max(first, 1e-9)) - 1))):
+    for _ in range(min(19, max(min_repeats - 1, math.ceil(cpu_target_s / max(first, 1e-9)) - 1))):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -233,14 +236,17 @@ def cuda_peak(call) -> int:
 
 # --- bandwidth ----------------------------------------------------------------------------------
 
-def bandwidth_gbps(logits: torch.Tensor, device: str, cpu_target_s: float) -> dict:
-    """Measured on the case's own logits: a read (``x.amax(-1)``) and a device copy (``y.copy_(x)``)."""
-    nbytes = logits.numel() * logits.element_size()
-    read = statistics.median(time_ms(lambda: logits.amax(-1), device, cpu_target_s))
-    out = torch.empty_like(logits)
-    copy = statistics.median(time_ms(lambda: out.copy_(logits), device, cpu_target_s))
-    del out
-    return {"read_amax": nbytes / read / 1e6, "copy": 2 * nbytes / copy / 1e6}
+def _bandwidth_probes(logits: torch.Tensor) -> dict:
+    """Timed callables on the case's own logits: a read (``x.amax(-1)``) and a device copy
+    (``y.copy_(x)`` into a buffer allocated at the first, untimed warm-up call)."""
+    copy_out = []
+
+    def copy():
+        if not copy_out:
+            copy_out.append(torch.empty_like(logits))
+        return copy_out[0].copy_(logits)
+
+    return {"read_amax": lambda: logits.amax(-1), "copy": copy}
 
 
 # --- environment and rows -----------------------------------------------------------------------
@@ -306,19 +312,17 @@ def timing_values(times: list, nbytes: int, bw_ref: float) -> dict:
     }
 
 
-def _measure(row, op, factory, inputs, case, mode, bw, device, grid) -> bool:
-    """Fill ``row`` with one measurement; False when the method is unavailable here (no more modes)."""
+def _measure(row, factory, inputs, mode, device, grid, rounds, first_round) -> list:
+    """Times (ms) of one of ``rounds`` rounds for ``row`` (at least 3 samples over all rounds);
+    on failure the note is set and ``[]`` returned."""
     inputs.logits.requires_grad_(False)
     try:
         call = _mode_fn(factory(inputs), inputs, mode)
-        times = time_ms(call, device, grid.cpu_target_s)
-        bw_ref = bw["read_amax"] if mode == "forward" else bw["copy"]
-        row.update(timing_values(times, bytes_moved(case, op.N_MODELS, mode), bw_ref))
-        if device == "cuda":
+        times = time_ms(call, device, grid.cpu_target_s / rounds, warmup=first_round,
+                        min_repeats=max(1, math.ceil(3 / rounds)))
+        if device == "cuda" and first_round:
             row["peak_mem_bytes"], row["mem_method"] = cuda_peak(call), CUDA_MEM_METHOD
-    except Unavailable as err:
-        row["note"] = str(err)
-        return False
+        return times
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
     except Exception as err:  # e.g. torch.compile failing: record it and go on
@@ -326,7 +330,7 @@ def _measure(row, op, factory, inputs, case, mode, bw, device, grid) -> bool:
     finally:
         call = None
         inputs.logits.grad = None
-    return True
+    return []
 
 
 def _fill_cpu_memory(op, case, case_rows) -> None:
@@ -358,21 +362,10 @@ def _run_cases(op, grid: Grid, device: str, log) -> list:
     rows = []
     for case in grid.cases:
         inputs = make_inputs(case, device, op.N_MODELS)
-        bw = bandwidth_gbps(inputs.logits, device, grid.cpu_target_s)
+        bw, case_rows = _time_case(env, op, case, inputs, device, grid)
         for name, gbps in bw.items():
             rows.append(make_row(env, op.OP, "bandwidth", name, "forward", case, gbps=gbps,
-                                 note="measured on this case's logits"))
-        case_rows = []
-        for name, (kind, factory) in op.methods(device).items():
-            for mode in MODES:
-                row = make_row(env, op.OP, kind, name, mode, case)
-                case_rows.append(row)
-                if name in grid.skip:
-                    row["note"] = "skipped on this grid"
-                    break
-                available = _measure(row, op, factory, inputs, case, mode, bw, device, grid)
-                if not available:
-                    break  # the same for every mode: one row says it
+                                 note="measured on this case's logits, in the same rounds as the rows"))
         del inputs
         gc.collect()
         if device == "cpu":
@@ -381,6 +374,51 @@ def _run_cases(op, grid: Grid, device: str, log) -> list:
             log(_describe(row))
         rows += case_rows
     return rows
+
+
+def _time_case(env, op, case, inputs, device, grid):
+    """``(bandwidth GB/s by probe, rows of every method x mode)`` for one case.
+
+    On CPU the rows and the bandwidth probes are timed in ``grid.cpu_rounds`` round-robin rounds
+    (every row, then every row again, ...) and their samples pooled: a slowdown of the machine
+    lasting a few seconds then touches one round of many rows instead of all samples of one row,
+    and the bandwidth that ``compare`` corrects drift with was measured in the same rounds.
+    """
+    rounds = grid.cpu_rounds if device == "cpu" else 1
+    case_rows, timed = [], []  # timed: (row, factory, mode, samples)
+    for name, (kind, factory) in op.methods(device).items():
+        note = "skipped on this grid" if name in grid.skip else None
+        if note is None:
+            try:
+                factory(inputs)  # raises Unavailable when the method cannot run here
+            except Unavailable as err:
+                note = str(err)
+        if note is not None:  # one row says it for every mode
+            case_rows.append(make_row(env, op.OP, kind, name, MODES[0], case, note=note))
+            continue
+        for mode in MODES:
+            row = make_row(env, op.OP, kind, name, mode, case)
+            case_rows.append(row)
+            timed.append((row, factory, mode, []))
+    probes = _bandwidth_probes(inputs.logits)
+    probe_samples = {name: [] for name in probes}
+    for round_index in range(rounds):
+        for name, probe in probes.items():
+            probe_samples[name] += time_ms(probe, device, grid.cpu_target_s / rounds, warmup=round_index == 0,
+                                           min_repeats=max(1, math.ceil(3 / rounds)))
+        if round_index == rounds - 1:
+            probes = None  # frees the copy's output before the last round's rows (GPU memory)
+        for row, factory, mode, samples in timed:
+            if row["note"] is None:  # not failed in an earlier round
+                samples += _measure(row, factory, inputs, mode, device, grid, rounds, round_index == 0)
+    nbytes = inputs.logits.numel() * inputs.logits.element_size()
+    bw = {"read_amax": nbytes / statistics.median(probe_samples["read_amax"]) / 1e6,
+          "copy": 2 * nbytes / statistics.median(probe_samples["copy"]) / 1e6}
+    for row, _, mode, samples in timed:
+        if row["note"] is None and samples:
+            bw_ref = bw["read_amax"] if mode == "forward" else bw["copy"]
+            row.update(timing_values(samples, bytes_moved(case, op.N_MODELS, mode), bw_ref))
+    return bw, case_rows
 
 
 def _describe(row) -> str:

@@ -58,8 +58,25 @@ def _write(tmp_path, name, rows):
 
 def test_compare_flags_a_doubled_time(tmp_path):
     old = _write(tmp_path, "old.json", _rows(10.0, 9.5, 10.5))
-    new = _write(tmp_path, "new.json", _rows(20.0, 19.0, 21.0))
-    assert cli.main(["compare", old, new]) != 0
+    slowed = _rows(10.0, 9.5, 10.5)
+    slowed[0].update(time_ms_median=20.0, time_ms_min=19.0, time_ms_max=21.0)  # kltriton 2x slower, eager not
+    assert cli.main(["compare", old, _write(tmp_path, "new.json", slowed)]) != 0
+
+
+def test_compare_corrects_for_a_slower_machine(tmp_path):
+    """2x slower with the bandwidth measured in the same run halved is the machine, not kltriton;
+    --absolute still flags it, and a 2x slowdown at unchanged bandwidth is flagged."""
+    old_rows, new_rows = _rows(10.0, 9.5, 10.5), _rows(20.0, 19.0, 21.0)
+    for row in old_rows:
+        row["bw_ref_gbps"] = 10.0
+    for row in new_rows:
+        row["bw_ref_gbps"] = 5.0
+    old, new = _write(tmp_path, "old.json", old_rows), _write(tmp_path, "new.json", new_rows)
+    assert cli.main(["compare", old, new]) == 0
+    assert cli.main(["compare", old, new, "--absolute"]) != 0
+    for row in new_rows:
+        row["bw_ref_gbps"] = 10.0
+    assert cli.main(["compare", old, _write(tmp_path, "same_bw.json", new_rows)]) != 0
 
 
 def test_compare_passes_identical_and_overlapping_noise(tmp_path):
