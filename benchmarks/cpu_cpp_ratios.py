@@ -28,6 +28,11 @@ from kltriton.kernels import cpp_library  # noqa: E402
 from kltriton.kernels.stream import cpp as cpp_stream  # noqa: E402
 
 
+def temp(value) -> torch.Tensor:
+    """A temperature as the backends take it: a 0-dim float64 tensor."""
+    return torch.tensor(value, dtype=torch.float64)
+
+
 def timeit(fn, repeat: int) -> float:
     """Best wall time of ``repeat`` runs after a warm-up (robust to other load on a small box)."""
     fn()
@@ -80,7 +85,7 @@ def main() -> None:
     n, v = 2048, 32000
     x = torch.randn(n, v)
     t = torch.randint(0, v, (n,))
-    fwd = lambda: cpp_stream.forward(x, None, t, 1.0, False, False)  # noqa: E731
+    fwd = lambda: cpp_stream.forward(x, None, t, temp(1.0), False, False)  # noqa: E731
     k = timeit(fwd, rep)
     add("fwd logp fp32 2048x32000", k, "log_softmax+gather", timeit(lambda: torch.log_softmax(x, -1).gather(1, t[:, None]), rep),
         "speedup", 8.0)
@@ -91,7 +96,7 @@ def main() -> None:
     nb, vb = 1024, 151936
     xb = torch.randn(nb, vb).bfloat16()
     tb = torch.randint(0, vb, (nb,))
-    kb = timeit(lambda: cpp_stream.forward(xb, None, tb, 1.0, False, False), rep)
+    kb = timeit(lambda: cpp_stream.forward(xb, None, tb, temp(1.0), False, False), rep)
     add("fwd logp bf16 1024x151936", kb, "log_softmax(x.float())+gather",
         timeit(lambda: torch.log_softmax(xb.float(), -1).gather(1, tb[:, None]), max(3, rep // 2)), "speedup", 10.0)
     add("fwd logp bf16 1024x151936", kb, "amax (one read)", timeit(lambda: xb.amax(-1), rep), "x_read", 3.0)
@@ -100,9 +105,9 @@ def main() -> None:
     # 3. backward fp32 2048 x 32000 vs eager autograd of log_softmax + gather. Both allocate their
     # [N, V] outputs; the C++ kernel asks for transparent huge pages for its one output (fewer page
     # faults), eager autograd allocates three [N, V] tensors on the default 4 KiB pages.
-    st = cpp_stream.forward(x, None, t, 1.0, False, False)
+    st = cpp_stream.forward(x, None, t, temp(1.0), False, False)
     g = torch.randn(n)
-    kbw = timeit(lambda: cpp_stream.backward(x, None, t, 1.0, st.lse, None, g, None, None, None, None), rep)
+    kbw = timeit(lambda: cpp_stream.backward(x, None, t, temp(1.0), st.lse, None, g, None, None, None, None), rep)
     xr = x.clone().requires_grad_()
 
     def eager_bw():
@@ -117,11 +122,11 @@ def main() -> None:
     # 4. KL forward with both logits vs reading both once
     y = x + 0.1 * torch.randn(n, v)
     both = timeit(lambda: (x.amax(-1), y.amax(-1)), rep)
-    kkl = timeit(lambda: cpp_stream.forward(x, y, t, 1.0, False, False), rep)
+    kkl = timeit(lambda: cpp_stream.forward(x, y, t, temp(1.0), False, False), rep)
     add("fwd KL both logits fp32 2048x32000", kkl, "amax(x)+amax(y)", both, "x_read", 2.0)
-    kfull = timeit(lambda: cpp_stream.forward(x, y, t, 1.0, False, True), rep)
+    kfull = timeit(lambda: cpp_stream.forward(x, y, t, temp(1.0), False, True), rep)
     add("fwd full KL fp32 2048x32000", kfull, "amax(x)+amax(y)", both, "x_read", 2.0)
-    kent = timeit(lambda: cpp_stream.forward(x, None, t, 1.0, True, False), rep)
+    kent = timeit(lambda: cpp_stream.forward(x, None, t, temp(1.0), True, False), rep)
     add("fwd logp+entropy fp32 2048x32000", kent, "amax (one read)", amax_x, "x_read", 3.0)
 
     print(f"device: cpu ({cpu_name()}), threads={torch.get_num_threads()}, torch {torch.__version__}, "

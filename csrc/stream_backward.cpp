@@ -86,14 +86,11 @@ struct Inputs {
 
 template <typename T, int MODE>
 void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                  const Inputs& in, at::Tensor& grad, double temperature) {
+                  const Inputs& in, at::Tensor& grad, const Temperatures& temp) {
   const int64_t N = grad.size(0), V = grad.size(1);
   const Rows3d X(logits3d);
   const Rows3d Y = (MODE & kFullKl) ? Rows3d(*ref3d) : Rows3d();
   T* gbase = grad.data_ptr<T>();
-  const double inv = 1.0 / temperature;
-  const float hi = static_cast<float>(inv);
-  const float lo = static_cast<float>(inv - static_cast<double>(hi));
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       T* g = gbase + n * V;
@@ -108,9 +105,13 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
       const float H = (MODE & kEntropy) ? in.ent[n] : 0.f;
       const float gk = (MODE & kFullKl) ? in.gk[n] : 0.f;
       const float K = (MODE & kFullKl) ? in.kl[n] : 0.f;
+      float hi;
+      double lo;
+      temp.inverse(n, hi, lo);
+      const double inv = static_cast<double>(hi) + lo;
       RowCoef k;
       k.hi = hi;
-      k.lo = lo;
+      k.lo = static_cast<float>(lo);
       k.lse = lse;
       k.rlse = (MODE & kFullKl) ? in.rlse[n] : 0.f;
       const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
@@ -150,7 +151,7 @@ at::Tensor as_f32_vec(const std::optional<at::Tensor>& t, int64_t N, const char*
 }  // namespace
 
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                           const at::Tensor& target, double temperature, const at::Tensor& lse,
+                           const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                            const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
                            const std::optional<at::Tensor>& g_entropy,
                            const std::optional<at::Tensor>& entropy,
@@ -189,12 +190,13 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
   }
   at::Tensor grad = at::empty({N, V}, logits3d.options());
   if (N == 0) return grad;
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   advise_huge_pages(grad);
   const int mode = (has_ent ? kEntropy : 0) | (has_kl ? kRef | kFullKl : 0);
   with_dtype(logits3d.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     with_mode<0, kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-      run_backward<T, decltype(m)::value>(logits3d, ref3d, in, grad, temperature);
+      run_backward<T, decltype(m)::value>(logits3d, ref3d, in, grad, temp);
     });
   });
   return grad;

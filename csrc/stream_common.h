@@ -189,16 +189,30 @@ inline void check_rows3d(const at::Tensor& t, const char* name) {
               "kltriton_cpp: ", name, " must be float32, bfloat16 or float16, got ", dt);
 }
 
+// Temperature of each row: a float64 tensor with one entry for all rows or one per row.
+struct Temperatures {
+  const double* t = nullptr;
+  bool per_row = false;
+  // 1 / T of row n, split as hi + lo with hi = float(1 / T): z = x * hi + x * lo keeps x / T exact
+  // to fp32 rounding even for |x| ~ 1e4.
+  inline void inverse(int64_t n, float& hi, double& lo) const {
+    const double inv = 1.0 / t[per_row ? n : 0];
+    hi = static_cast<float>(inv);
+    lo = inv - static_cast<double>(hi);
+  }
+};
+
 // Checks shared by both ops: the policy view, the per-row target and the temperature.
 // Returns {N, V}: rows and vocabulary size.
 inline std::pair<int64_t, int64_t> check_stream_args(const at::Tensor& logits3d, const at::Tensor& target,
-                                                     double temperature) {
+                                                     const at::Tensor& temperature) {
   check_rows3d(logits3d, "logits");
   const int64_t N = logits3d.size(0) * logits3d.size(1);
   const int64_t V = logits3d.size(2);
   TORCH_CHECK(V > 0, "kltriton_cpp: the vocabulary size must be > 0");
-  TORCH_CHECK(temperature > 0 && std::isfinite(temperature),
-              "kltriton_cpp: temperature must be a finite number > 0");
+  TORCH_CHECK(temperature.scalar_type() == at::kDouble && temperature.is_contiguous() &&
+                  (temperature.numel() == 1 || temperature.numel() == N),
+              "kltriton_cpp: temperature must be a contiguous float64 tensor with 1 or N entries");
   TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
               "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
   return {N, V};
@@ -212,11 +226,11 @@ inline int64_t row_grain(int64_t vocab) {
 
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
-                                       const at::Tensor& target, double temperature,
+                                       const at::Tensor& target, const at::Tensor& temperature,
                                        bool with_entropy, bool with_full_kl);
 
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                           const at::Tensor& target, double temperature, const at::Tensor& lse,
+                           const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                            const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
                            const std::optional<at::Tensor>& g_entropy,
                            const std::optional<at::Tensor>& entropy,

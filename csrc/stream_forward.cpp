@@ -209,7 +209,7 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
 
 template <typename T, int MODE>
 void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                 const int64_t* tgt, int64_t N, int64_t V, float hi, double lo, float* logp,
+                 const int64_t* tgt, int64_t N, int64_t V, const Temperatures& temp, float* logp,
                  float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
   const Rows3d X(logits3d);
@@ -223,6 +223,9 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
         const float v = tg == kSkip ? 0.f : kNaN;
         r = RowOut{v, 0.f, v, v, 0.f, v};
       } else {
+        float hi;
+        double lo;
+        temp.inverse(n, hi, lo);
         r = forward_row<T, MODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
@@ -241,7 +244,7 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
 
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
-                                       const at::Tensor& target, double temperature,
+                                       const at::Tensor& target, const at::Tensor& temperature,
                                        bool with_entropy, bool with_full_kl) {
   int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
   std::tie(N, V) = check_stream_args(logits3d, target, temperature);
@@ -259,9 +262,7 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
   at::Tensor logp = out(true), lse = out(true), ent = out(with_entropy);
   at::Tensor rlogp = out(has_ref), rlse = out(has_ref), fkl = out(with_full_kl);
   if (N > 0) {
-    const double inv = 1.0 / temperature;
-    const float hi = static_cast<float>(inv);
-    const double lo = inv - static_cast<double>(hi);
+    const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
     const int64_t* tgt = target.data_ptr<int64_t>();
     float* o[6] = {logp.data_ptr<float>(), lse.data_ptr<float>(),
                    with_entropy ? ent.data_ptr<float>() : nullptr,
@@ -272,7 +273,7 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
     with_dtype(logits3d.scalar_type(), [&](auto tag) {
       using T = typename decltype(tag)::type;
       with_mode<0, kEntropy, kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
+        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
       });
     });
   }

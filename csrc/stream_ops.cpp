@@ -23,10 +23,10 @@ std::string build_info() {
 
 TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
-      "stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, float temperature, "
+      "stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, "
       "bool with_entropy, bool with_full_kl) -> Tensor[]");
   m.def(
-      "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, float temperature, "
+      "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, "
       "Tensor lse, Tensor? ref_lse, Tensor g_logp, Tensor? g_entropy, Tensor? entropy, "
       "Tensor? g_full_kl, Tensor? full_kl) -> Tensor");
   m.def("build_info() -> str", &kltriton_cpp::build_info);

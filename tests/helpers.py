@@ -18,6 +18,11 @@ STORE_RTOL = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float1
 MIXED_GRAD_RTOL = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def temp(value) -> torch.Tensor:
+    """A temperature in the form every backend takes: a 0-dim float64 tensor."""
+    return torch.tensor(value, dtype=torch.float64)
+
+
 def random_logits(shape, dtype, scale=3.0, generator=None):
     """Fresh normal logits (never zeros), rounded to ``dtype``."""
     return (torch.randn(shape, generator=generator) * scale).to(dtype)

@@ -1,4 +1,6 @@
 """fused_kl_reward: shaping, per-sequence means, gradients, and parity with the seed systems' arithmetic."""
+import contextlib
+
 import pytest
 import torch
 
@@ -55,11 +57,50 @@ def test_shaping_and_gradients(backend, device, estimator):
     assert out.kl_per_seq[3] == 0  # a sequence with no scored position
 
 
-def test_coef_tensor_equals_float_and_needs_no_sync(device):
-    logits, ref, ids, mask = padded_batch()
-    a = kltriton.fused_kl_reward(logits, ref, ids, coef=0.2, mask=mask)
-    b = kltriton.fused_kl_reward(logits, ref, ids, coef=torch.tensor(0.2), mask=mask)
+class HostSyncError(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads(device):
+    """Fail on any read of a tensor's value by the host: the Python conversions that sync (``item``,
+    ``bool``, ``float``, ``int``, ``tolist``) raise, and on CUDA so does any synchronizing op."""
+    def refuse(*args, **kwargs):
+        raise HostSyncError("a tensor value was read on the host")
+
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    for name in names:
+        setattr(torch.Tensor, name, refuse)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_coef_tensor_equals_float_and_needs_no_sync(backend, device):
+    logits, ref, ids, mask = (t.to(device) for t in padded_batch())
+    scores = torch.randn(logits.shape[0], device=device)
+    a = kltriton.fused_kl_reward(logits, ref, ids, coef=0.2, mask=mask, scores=scores, backend=backend)
+    previous = kltriton.set_validation(False)  # the label checks read values by design
+    try:
+        kltriton.fused_kl_reward(logits, ref, ids, coef=0.2, mask=mask, backend=backend)  # warm-up: loading
+        with no_host_reads(device):
+            b = kltriton.fused_kl_reward(logits, ref, ids, coef=torch.tensor(0.2, device=device), mask=mask,
+                                         scores=scores, backend=backend)
+    finally:
+        kltriton.set_validation(previous)
     assert_close(a.reward, b.reward, 1e-7)
+
+
+def test_no_host_reads_catches_a_sync():
+    with no_host_reads("cpu"), pytest.raises(HostSyncError):
+        torch.tensor(1.0).item()
 
 
 def test_packed_equals_padded(backend, device):
@@ -168,8 +209,9 @@ def test_parity_rollout_from_model(layout):
         assert_close(out.reward, expected[step_mask], 1e-5)
 
 
-def test_dropins_match_formulas(backend):
-    logits, index = torch.randn(3, 5, 211), torch.randint(0, 211, (3, 5))
+def test_dropins_match_formulas(backend, device, monkeypatch):
+    monkeypatch.setenv("KLTRITON_BACKEND", backend)  # the drop-ins keep their libraries' signatures
+    logits, index = torch.randn(3, 5, 211, device=device), torch.randint(0, 211, (3, 5), device=device)
     trl = logits.double().gather(-1, index[..., None]).squeeze(-1) - torch.logsumexp(logits.double(), -1)
     assert_close(kltriton.selective_log_softmax(logits, index), trl, 1e-5)
     assert_close(kltriton.logprobs_of_labels(logits, index), naive_logprobs(logits, index), 1e-5)

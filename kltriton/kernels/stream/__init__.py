@@ -9,8 +9,9 @@ CPU under ``TRITON_INTERPRET=1``), ``cpp.py`` (CPU, fp32 / bf16 / fp16). Each mo
     ref_logits:  ``None`` or a tensor of the same shape and dtype (strides may differ).
     target:      ``[N]`` int64, contiguous: a label in ``[0, V)``, ``SKIP`` (outputs 0, logits
                  never read) or ``OUT_OF_RANGE`` (outputs NaN, logits never read).
-    temperature: 0-dim float64 tensor ``> 0`` and finite (data, so a new value never recompiles);
-                 every statistic is of ``softmax(logits / T)``.
+    temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
+                 the caller); data, so a new value never recompiles. Every statistic of row ``n``
+                 is of ``softmax(logits[n] / T[n])``.
     Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``:
     ``entropy`` is empty unless ``with_entropy``; ``ref_logp`` / ``ref_lse`` are empty without
     ``ref_logits``; ``full_kl`` (``sum_v p_v (log p_v - log q_v)``) is empty unless

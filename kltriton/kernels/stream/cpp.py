@@ -29,7 +29,7 @@ def _f32(tensor):
 def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
     cpp_library.load()
     outs = torch.ops.kltriton_cpp.stream_forward(
-        _rows(logits), _rows(ref_logits), target, float(temperature), bool(with_entropy), bool(with_full_kl))
+        _rows(logits), _rows(ref_logits), target, temperature, bool(with_entropy), bool(with_full_kl))
     return StreamStats(*outs)
 
 
@@ -38,7 +38,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
     cpp_library.load()
     with_full_kl = g_full_kl is not None
     grad = torch.ops.kltriton_cpp.stream_backward(
-        _rows(logits), _rows(ref_logits) if with_full_kl else None, target, float(temperature), _f32(lse),
+        _rows(logits), _rows(ref_logits) if with_full_kl else None, target, temperature, _f32(lse),
         _f32(ref_lse) if with_full_kl else None, _f32(g_logp), _f32(g_entropy), _f32(entropy),
         _f32(g_full_kl), _f32(full_kl))
     return grad.view(logits.shape)

@@ -25,7 +25,13 @@ def _take_rows(rows3d: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> 
     return rows3d[rows // width, rows % width].to(dtype)
 
 
-def _log_softmax_rows(rows: torch.Tensor, temperature: float):
+def _row_temperature(temperature: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[len(rows), 1]`` temperature of each row (``temperature`` is 0-dim or ``[N]``)."""
+    t = temperature.to(dtype)
+    return t.reshape(1, 1) if t.dim() == 0 else t[rows][:, None]
+
+
+def _log_softmax_rows(rows: torch.Tensor, temperature: torch.Tensor):
     scaled = rows / temperature
     lse = torch.logsumexp(scaled, dim=-1)
     return scaled - lse[:, None], lse
@@ -53,7 +59,8 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
             continue
         rows = start + keep
         label = tgt[keep][:, None]
-        logp_all, row_lse = _log_softmax_rows(_take_rows(rows3d, rows, acc), temperature)
+        temp = _row_temperature(temperature, rows, acc)
+        logp_all, row_lse = _log_softmax_rows(_take_rows(rows3d, rows, acc), temp)
         dead = row_lse == float("-inf")  # an all -inf row has no distribution: NaN like torch
         logp[rows] = logp_all.gather(1, label).squeeze(1).clamp(max=0)
         lse[rows] = row_lse
@@ -62,7 +69,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
             h = -_p_times(p, logp_all).sum(-1)
             entropy[rows] = h.masked_fill(dead, float("nan"))
         if ref3d is not None:
-            logq_all, row_ref_lse = _log_softmax_rows(_take_rows(ref3d, rows, acc), temperature)
+            logq_all, row_ref_lse = _log_softmax_rows(_take_rows(ref3d, rows, acc), temp)
             ref_logp[rows] = logq_all.gather(1, label).squeeze(1).clamp(max=0)
             ref_lse[rows] = row_ref_lse
             if with_full_kl:
@@ -89,7 +96,8 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
         if keep.numel() == 0:
             continue
         rows = start + keep
-        x = _take_rows(rows3d, rows, acc) / temperature
+        temp = _row_temperature(temperature, rows, acc)
+        x = _take_rows(rows3d, rows, acc) / temp
         logp_all = x - lse[rows].to(acc)[:, None]
         p = logp_all.exp()
         g = -g_logp[rows].to(acc)[:, None] * p
@@ -98,9 +106,9 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
             h = entropy[rows].to(acc)[:, None]
             g -= g_entropy[rows].to(acc)[:, None] * _p_times(p, logp_all + h)
         if g_full_kl is not None:
-            y = _take_rows(ref3d, rows, acc) / temperature
+            y = _take_rows(ref3d, rows, acc) / temp
             logq_all = y - ref_lse[rows].to(acc)[:, None]
             kl = full_kl[rows].to(acc)[:, None]
             g += g_full_kl[rows].to(acc)[:, None] * _p_times(p, logp_all - logq_all - kl)
-        grad2d[rows] = (g / temperature).to(grad.dtype)
+        grad2d[rows] = (g / temp).to(grad.dtype)
     return grad

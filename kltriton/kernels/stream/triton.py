@@ -67,14 +67,15 @@ def _stream_forward_kernel(
     entropy_ptr,                # [N] fp32 output, or None
     ref_logp_ptr, ref_lse_ptr,  # [N] fp32 outputs, or None (with ref_ptr)
     full_kl_ptr,                # [N] fp32 output, or None
-    vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
+    vocab,
+    temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     BLOCK_V: tl.constexpr,
 ):
     HAS_REF: tl.constexpr = ref_ptr is not None
     WITH_ENTROPY: tl.constexpr = entropy_ptr is not None
     WITH_FULL_KL: tl.constexpr = full_kl_ptr is not None
     row = tl.program_id(0)
-    inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
+    inv_temperature = (1.0 / tl.load(temperature_ptr + row * temperature_stride)).to(tl.float32)
     target = tl.load(target_ptr + row)
     if target < 0:
         # Not scored: never read the row. SKIP -> 0.0, OUT_OF_RANGE -> NaN.
@@ -143,13 +144,14 @@ def _stream_backward_kernel(
     lse_ptr, g_logp_ptr,        # [N] fp32
     entropy_ptr, g_entropy_ptr,  # [N] fp32, or None (no entropy term)
     ref_lse_ptr, full_kl_ptr, g_full_kl_ptr,  # [N] fp32, or None (no full-KL term, with ref_ptr)
-    vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
+    vocab,
+    temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     BLOCK_V: tl.constexpr,
 ):
     WITH_ENTROPY: tl.constexpr = g_entropy_ptr is not None
     WITH_FULL_KL: tl.constexpr = g_full_kl_ptr is not None
     row = tl.program_id(0)
-    inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
+    inv_temperature = (1.0 / tl.load(temperature_ptr + row * temperature_stride)).to(tl.float32)
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
@@ -204,7 +206,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         *_view_args(logits), *_view_args(ref_logits), target,
         stats.logp, stats.lse, when(with_entropy, stats.entropy),
         when(has_ref, stats.ref_logp), when(has_ref, stats.ref_lse), when(with_full_kl, stats.full_kl),
-        vocab, temperature,
+        vocab, temperature, 1 if temperature.dim() else 0,
         BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return stats
@@ -221,7 +223,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
         *_view_args(logits), *_view_args(ref_logits if with_full_kl else None), grad, target,
         lse, g_logp, entropy if g_entropy is not None else None, g_entropy,
         ref_lse if with_full_kl else None, full_kl if with_full_kl else None, g_full_kl,
-        vocab, temperature,
+        vocab, temperature, 1 if temperature.dim() else 0,
         BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return grad
