@@ -127,8 +127,11 @@ def _last_positions(cu_seqlens, n):
     return torch.remainder(cu_seqlens[1:].long() - 1, n)
 
 
-def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False) -> Layout:
-    """Validate the label-side arguments against ``logits`` and build the flat ``target``."""
+def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False,
+                 vocab=None) -> Layout:
+    """Validate the label-side arguments against ``logits`` and build the flat ``target``.
+    Labels must lie in ``[0, vocab)``, ``vocab`` defaulting to ``logits.shape[-1]`` (the global
+    vocabulary of vocab-parallel logits is larger than their last dim)."""
     _check_same_leading("labels", labels, logits, integer=True)
     if mask is not None:
         _check_same_leading("mask", mask, logits, boolean=True)
@@ -137,7 +140,7 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, logits)
     shape = logits.shape[:-1]
-    vocab = logits.shape[-1]
+    vocab = logits.shape[-1] if vocab is None else vocab
     n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")

@@ -12,6 +12,7 @@ from kltriton._inputs import build_layout, check_logits, check_temperature, runt
 from kltriton.kernels import SKIP
 from kltriton.ops.stream import stream_backend
 from kltriton.ops.token_kl import check_estimator, kl_of_target, ref_is_logits
+from kltriton.ops.vocab_parallel import vocab_shard
 
 
 class KLReward(NamedTuple):
@@ -111,13 +112,15 @@ def fused_kl_reward(
     cu_seqlens: Optional[torch.Tensor] = None,
     shift_labels: bool = False,
     backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
 ) -> KLReward:
     """KL-shaped per-token rewards: ``reward = rewards - coef * kl`` plus the clipped sequence score
     at the last scored position of each sequence.
 
     Args:
         logits, ref, labels, estimator, kl_clamp, temperature, ignore_index, mask,
-            cu_seqlens, shift_labels, backend: as in ``token_kl``.
+            cu_seqlens, shift_labels, backend, process_group, vocab_start: as in ``token_kl``.
         coef: KL coefficient, a float or a 0-dim tensor (read on the device, no host sync).
         scores: optional ``[num_seqs]`` sequence-level scores (reward model outputs).
         rewards: optional per-token rewards of shape ``S`` or ``S + [1]`` (torchrl's layout).
@@ -137,11 +140,12 @@ def fused_kl_reward(
     temperature = check_temperature(temperature, logits.device)
     coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
+    shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True)
+                          shift_labels=shift_labels, with_seq_index=True, vocab=None if shard is None else shard.vocab)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
     backend = stream_backend(backend, logits)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)
     shape = layout.shape
