@@ -226,11 +226,36 @@ def case_bad_input(shard, backend, dtype):
     shard.check(logp[keep], expected[keep], full_logits, 1.0, "logp beside the bad label")
 
 
-def _worker(rank, world, init_file, report_dir, backends):
+def case_compile(shard, backend, dtype):
+    """``torch.compile(fullgraph=True)``, forward and backward: the all-gather is a functional
+    collective, learned ``vocab_start`` included; equal to eager."""
+    gen = torch.Generator().manual_seed(6)
+    full_logits = _logits((2, 5, shard.vocab), dtype, gen)
+    ref_logits = (full_logits.float() + torch.randn(full_logits.shape, generator=gen)).to(dtype)
+    labels = torch.randint(0, shard.vocab, (2, 5), generator=gen)
+
+    def f(logits, ref):
+        out = kltriton.fused_kl_reward(logits, ref, labels, estimator="full", backend=backend,
+                                       process_group=shard.group)
+        return out.reward, out.logprobs
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        logits = shard.cut(full_logits, grad=True)
+        reward, logp = fn(logits, shard.cut(ref_logits))
+        (reward.sum() + logp.sum()).backward()
+        results.append((reward, logp, logits.grad))
+    for name, eager, compiled in zip(("reward", "logp", "grad"), *results):
+        assert_close(compiled, eager, atol=0.0, what=f"compiled {name}")
+
+
+def _worker(rank, world, init_file, report_dir, backends, names):
+    torch.set_num_threads(1)  # ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     report = {}
     shard = Shard(rank, SHARDS[world], dist.group.WORLD)
-    cases = dict(CASES, bad_input=case_bad_input) if world == 2 else CASES
+    known = dict(CASES, bad_input=case_bad_input, compile=case_compile)
+    cases = {name: known[name] for name in names}
     try:
         for name, case in cases.items():
             for backend in backends:
@@ -256,6 +281,17 @@ def _backends():
     return usable
 
 
+def _spawn(world, names, backends):
+    """Run the cases ``names`` on ``world`` gloo ranks; returns each rank's ``{case key: "ok" | traceback}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, backends, names), nprocs=world)
+        reports = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                reports.append(json.load(f))
+        return reports
+
+
 @pytest.fixture(scope="module")
 def reports():
     """``{world: [rank report]}``, spawning each world size once, on first use."""
@@ -263,15 +299,13 @@ def reports():
 
     def get(world):
         if world not in done:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, _backends()), nprocs=world)
-                done[world] = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+            names = list(CASES) + (["bad_input"] if world == 2 else [])
+            done[world] = _spawn(world, names, _backends())
         return done[world]
     return get
 
 
-def _assert_case(reports, world, name):
-    ranks = reports(world)
+def _assert_case(ranks, name):
     keys = [k for k in ranks[0] if k.startswith(name + "-")]
     assert keys, f"case {name} did not run"
     failures = [f"rank {r} {k}:\n{rep[k]}" for r, rep in enumerate(ranks) for k in keys if rep.get(k) != "ok"]
@@ -281,8 +315,14 @@ def _assert_case(reports, world, name):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_unsharded(reports, world, name):
-    _assert_case(reports, world, name)
+    _assert_case(reports(world), name)
 
 
 def test_bad_input(reports):
-    _assert_case(reports, 2, "bad_input")
+    _assert_case(reports(2), "bad_input")
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph():
+    _assert_case(_spawn(2, ["compile"], ["cpp" if dispatch.availability("cpp", "stream")[0] else "reference"]),
+                 "compile")
