@@ -228,7 +228,7 @@ def case_bad_input(shard, backend, dtype):
 
 def case_compile(shard, backend, dtype):
     """``torch.compile(fullgraph=True)``, forward and backward: the all-gather is a functional
-    collective, learned ``vocab_start`` included; equal to eager."""
+    collective, learned ``vocab_start`` included; equal to eager up to Inductor's fusions."""
     gen = torch.Generator().manual_seed(6)
     full_logits = _logits((2, 5, shard.vocab), dtype, gen)
     ref_logits = (full_logits.float() + torch.randn(full_logits.shape, generator=gen)).to(dtype)
@@ -245,8 +245,8 @@ def case_compile(shard, backend, dtype):
         reward, logp = fn(logits, shard.cut(ref_logits))
         (reward.sum() + logp.sum()).backward()
         results.append((reward, logp, logits.grad))
-    for name, eager, compiled in zip(("reward", "logp", "grad"), *results):
-        assert_close(compiled, eager, atol=0.0, what=f"compiled {name}")
+    for name, eager, compiled in zip(("reward", "logp", "grad"), *results):  # Inductor may fuse: ulps
+        shard.check(compiled, eager, full_logits, 1.0, f"compiled {name}")
 
 
 def _worker(rank, world, init_file, report_dir, backends, names):
