@@ -4,10 +4,13 @@ No assertion here depends on how fast anything ran.
 """
 import copy
 import json
+import sys
+import types
 
 import pytest
+import torch
 
-from benchmarks import cli, compare, harness
+from benchmarks import baselines, cli, compare, harness
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,35 @@ def test_compare_does_not_use_flagged_baselines(tmp_path):
     code, table = _compare(tmp_path, old_rows, new_rows)
     assert code == compare.EXIT_UNRELIABLE
     assert "UNRELIABLE: old: ordering: fastest backward call 187 ms" in table and "faster" not in table
+
+
+def _losses(logits, labels, index):
+    losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=index, reduction="none")
+    return losses, torch.zeros_like(losses)
+
+
+# flash_attn.ops.triton.cross_entropy.cross_entropy_loss in flash-attn 2.8.3 and in 2.5.7.
+def _ce_2_8_3(logits, labels, precomputed_lse=None, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+              ignore_index=-100, inplace_backward=False, process_group=None):
+    return _losses(logits, labels, ignore_index)
+
+
+def _ce_2_5_7(logits, labels, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0, ignored_index=-100,
+              inplace_backward=False, process_group=None):
+    return _losses(logits, labels, ignored_index)
+
+
+@pytest.mark.parametrize("cross_entropy_loss", [_ce_2_8_3, _ce_2_5_7])
+def test_flash_attn_baseline_passes_the_ignore_keyword_it_takes(monkeypatch, cross_entropy_loss):
+    names = ("flash_attn", "flash_attn.ops", "flash_attn.ops.triton", "flash_attn.ops.triton.cross_entropy")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].cross_entropy_loss = cross_entropy_loss
+    x, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    labels[0, 0] = -100
+    logprobs = baselines.cross_entropy_logprobs("flash_attn", "cuda")(x, labels)  # "cuda": the fake runs anywhere
+    expected = baselines.eager_logprobs(x, labels.clamp(min=0)).masked_fill(labels < 0, 0.0)
+    torch.testing.assert_close(logprobs, expected)
 
 
 def test_plot_writes_pngs(smoke_results):
