@@ -6,6 +6,7 @@ import copy
 import json
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -199,8 +200,64 @@ def test_flash_attn_baseline_passes_the_ignore_keyword_it_takes(monkeypatch, cro
 
 
 def test_plot_writes_pngs(smoke_results):
+    """The smoke grid has no unmasked case: its half-masked rows are plotted, with no empty figure."""
     pytest.importorskip("matplotlib")
     from benchmarks.plot import plot
 
-    for path in plot(smoke_results):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "nothing to plot" would fail here
+        paths = plot(smoke_results)
+    assert len(paths) == 3
+    for path in paths:
         assert path.exists() and path.stat().st_size > 0
+
+
+def _mem_row(backend, tokens, mib, op="token_kl"):
+    row = _row(1.0, 1.0, 1.0, backend=backend, mode="fwd_bwd")
+    row.update(op=op, tokens=tokens, peak_mem_bytes=None if mib is None else mib * 2**20, roofline_frac=0.5,
+               device_name="test cpu", torch="2.13", commit="0123456789abcdef")
+    return row
+
+
+def test_plot_draws_coinciding_lines_once_with_every_name():
+    """5 backends where 3 coincide (within 0.1%, as peak memory does) give 3 lines, each visible and named."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.plot import _lines
+
+    mib = {"cpp": (31, 62), "reference": (125, 158), "eager": (93.7, 187.4), "torchrl_masked": (93.7, 187.3),
+           "trl": (93.72, 187.4)}
+    rows = [_mem_row(name, tokens, m) for name, pair in mib.items() for tokens, m in zip((256, 512), pair)]
+    rows.append(_mem_row("compile", 256, None))  # not measured: no line, no legend entry
+    fig, ax = plt.subplots()
+    _lines(ax, rows, "tokens", "peak_mem_bytes", 1 / 2**20)
+    assert [line.get_label() for line in ax.get_lines()] == ["cpp", "reference", "eager ≈ torchrl_masked ≈ trl"]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[31, 62], [125, 158], [93.7, 187.4]]
+    plt.close(fig)
+    # Meeting at one point is not coinciding: both lines stay.
+    rows = [_mem_row("a", 256, 10), _mem_row("a", 512, 20), _mem_row("b", 256, 10), _mem_row("b", 512, 40)]
+    fig, ax = plt.subplots()
+    _lines(ax, rows, "tokens", "peak_mem_bytes", 1 / 2**20)
+    assert [line.get_label() for line in ax.get_lines()] == ["a", "b"]
+    plt.close(fig)
+
+
+def test_plot_warns_instead_of_writing_empty_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot import plot
+
+    untimed = [dict(_row(None, None, None), note="cpp: not built")]
+    results = tmp_path / "untimed.json"
+    results.write_text(json.dumps(untimed))
+    with pytest.warns(UserWarning, match="no timed rows; nothing written"):
+        assert plot(results) == []
+    assert not list(tmp_path.glob("*.png"))
+    # Timed rows without memory numbers: the memory figure alone is left out.
+    results = tmp_path / "no_memory.json"
+    no_memory = [_mem_row("cpp", 256, None), _mem_row("cpp", 512, None)]
+    results.write_text(json.dumps(no_memory + [dict(row, mode="forward") for row in no_memory]))
+    with pytest.warns(UserWarning, match="memory_vs_tokens.png: nothing to plot for token_kl; not written"):
+        paths = plot(results)
+    assert [p.name for p in paths] == ["no_memory_time_vs_vocab.png", "no_memory_roofline.png"]
