@@ -52,8 +52,8 @@ def _unreliable(old, new, drift, max_drift) -> str:
     """Why the pair cannot be judged ("" when it can)."""
     reasons = [f"{which}: {'; '.join(row['flags'])}" for which, row in (("old", old), ("new", new)) if row["flags"]]
     if not 1 / max_drift <= drift <= max_drift:
-        reasons.append(f"bandwidth {drift:.3g}x lower in new than in old, beyond {max_drift:g}x either way: "
-                       "a probe ran during a stall")
+        lower = f"{drift:.3g}x lower in new" if drift > 1 else f"{1 / drift:.3g}x lower in old"
+        reasons.append(f"bandwidth of the case {lower}, beyond {max_drift:g}x: a probe ran during a stall")
     return "; ".join(reasons)
 
 

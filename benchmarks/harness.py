@@ -314,8 +314,8 @@ def timing_values(times: list, nbytes: int, bw_ref: float) -> dict:
 
 
 # A row's slowest call may take at most this many times its fastest. ``compare`` calls a slowdown
-# noise while the new fastest call is within the old slowest, so a baseline row with a wider spread
-# could hide a slowdown of that size; a quiet machine stays well below it.
+# noise while the new fastest call is within the old slowest, so this bounds the slowdown that a
+# baseline row can hide (one stalled call would otherwise widen it without limit).
 MAX_SPREAD = 3.0
 
 
