@@ -20,9 +20,10 @@ def _parser():
     run.add_argument("--grid", choices=tuple(harness.GRIDS), default="small")
     run.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     run.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON (default benchmarks/results)")
-    gate = sub.add_parser(
-        "compare", help=f"exit {compare.EXIT_REGRESSION} when a kltriton row got slower than OLD beyond noise, "
-                        f"{compare.EXIT_UNRELIABLE} when one cannot be judged (flagged row, bandwidth drift)")
+    gate_help = (f"exit {compare.EXIT_REGRESSION} when a kltriton row got slower than OLD beyond noise, else "
+                 f"{compare.EXIT_UNRELIABLE} when one cannot be judged (a flagged row, a bandwidth drift beyond "
+                 f"--max-drift), else {compare.EXIT_OK}")
+    gate = sub.add_parser("compare", help=gate_help, description=gate_help)
     gate.add_argument("old", type=Path)
     gate.add_argument("new", type=Path)
     gate.add_argument("--threshold", type=float, default=compare.THRESHOLD,
