@@ -45,11 +45,13 @@ def _lines(ax, rows, x, y, scale=1.0):
     lines = []  # (names, points)
     for name in dict.fromkeys(r["backend"] for r in rows):
         points = sorted((r[x], r[y] * scale) for r in rows if r["backend"] == name and r[y] is not None)
-        same = next((names for names, other in lines if _coincide(other, points)), None) if points else None
-        if same is not None:
-            same.append(name)
-        elif points:
+        if not points:
+            continue
+        same = next((names for names, other in lines if _coincide(other, points)), None)
+        if same is None:
             lines.append(([name], points))
+        else:
+            same.append(name)
     for names, points in lines:
         ax.plot(*zip(*points), marker="o", label=" ≈ ".join(names))
 
