@@ -49,7 +49,8 @@ CHATS = [
 
 def tiny_tokenizer():
     """A word-level tokenizer built in memory, with a chat template that marks assistant tokens."""
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                                      unk_token="<unk>")
@@ -90,7 +91,8 @@ def token_data(pad_output, reward=True):
         if reward:
             td["next"] = TensorDict({"reward": torch.ones(2, max(LENGTHS), 1)}, batch_size=(2,))
         return td
-    return lazy_stack([TensorDict({("tokens", "full"): t, ("masks", "all_attention_mask"): torch.ones_like(t, dtype=torch.bool),
+    return lazy_stack([TensorDict({("tokens", "full"): t,
+                                   ("masks", "all_attention_mask"): torch.ones_like(t, dtype=torch.bool),
                                    ("masks", "all_assistant_mask"): a,
                                    **({"next": TensorDict({"reward": torch.ones(len(t), 1)})} if reward else {})})
                        for t, a in zip(tokens, assistant)])

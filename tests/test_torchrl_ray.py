@@ -98,6 +98,7 @@ def test_service_arguments():
                         gen_model_factory=partial(tiny_wrapper, 0, "log_probs", "tokens", True),
                         ref_model_factory=partial(tiny_wrapper, 1, "ref_log_probs", "tokens", True))
     with pytest.raises(ValueError, match="from_collector"):
-        ours.RetrieveKL(use_ray_service=True, ref_model_factory=partial(tiny_wrapper, 1, "ref_log_probs", "tokens", True))
+        ours.RetrieveKL(use_ray_service=True,
+                        ref_model_factory=partial(tiny_wrapper, 1, "ref_log_probs", "tokens", True))
     with pytest.raises(ValueError, match="Must provide exactly one of"):
         ours.KLRewardTransform(use_ray_service=True)

@@ -108,7 +108,8 @@ def _check_same_lengths(gen: Rows, ref: Rows, gen_name: str, ref_name: str) -> N
                          f"{ref_name} has {len(ref.lengths)} samples")
     for i, (n, m) in enumerate(zip(gen.lengths, ref.lengths)):
         if n != m:
-            raise ValueError(f"Sample {i} has different shapes: {gen_name}[{i}] has {n} tokens, {ref_name}[{i}] has {m}")
+            raise ValueError(f"Sample {i} has different shapes: {gen_name}[{i}] has {n} tokens, "
+                             f"{ref_name}[{i}] has {m}")
 
 
 def _penalized(reward: Rows, kl: Rows, coef) -> Rows:
