@@ -4,30 +4,36 @@
 instead (``kltriton/_C*.so``): that needs the installed torch at build time (hence no build
 isolation), ties the wheel to that torch version, and targets the building machine's CPU
 capability (the loader skips it on a CPU that lacks it and falls back to the JIT build).
+The compiler flags come from ``kltriton/kernels/constants.py``, the table the JIT build uses.
 """
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
+
+
+def _constants():
+    """``kltriton.kernels.constants`` loaded by path (importing ``kltriton`` would import torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kltriton", "kernels", "constants.py")
+    spec = importlib.util.spec_from_file_location("kltriton_build_constants", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpp_extension():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    constants = _constants()
     capability = torch.backends.cpu.get_cpu_capability()
-    capability = capability if capability in ("AVX2", "AVX512") else "DEFAULT"
-    isa_flags = {
-        "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-        "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-        "DEFAULT": [],
-    }[capability]
+    capability = capability if capability in constants.ISA_FLAGS else "DEFAULT"
     extension = CppExtension(
         "kltriton._C",
-        sources=["csrc/stream_ops.cpp", "csrc/stream_forward.cpp", "csrc/stream_backward.cpp"],
+        sources=[f"csrc/{name}" for name in constants.CPP_SOURCES],
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}",
-                            f"-DCPU_CAPABILITY_{capability}", *isa_flags],
-        extra_link_args=["-fopenmp"],
+        extra_compile_args=constants.cpp_compile_flags(capability),
+        extra_link_args=list(constants.CPP_LINK_FLAGS),
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 

@@ -72,12 +72,12 @@ def reward_from_kl(kl, mask, scores, coef):
 
 def check_backend(backend: str, device: str) -> None:
     """Raise ``Unavailable`` when a kltriton backend cannot be timed on ``device``."""
-    from kltriton import _backends
+    from kltriton import dispatch
 
     if backend == "triton" and device != "cuda":
         raise Unavailable("triton: CUDA only here (the CPU interpreter is far too slow to time)")
     if backend == "cpp" and device != "cpu":
         raise Unavailable("cpp: CPU only")
-    usable, why = _backends.availability(backend)
+    usable, why = dispatch.availability(backend)
     if not usable:
         raise Unavailable(f"{backend}: {why}")

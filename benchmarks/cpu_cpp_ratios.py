@@ -24,7 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kltriton.kernels import cpp_stream  # noqa: E402
+from kltriton.kernels import cpp_library  # noqa: E402
+from kltriton.kernels.stream import cpp as cpp_stream  # noqa: E402
 
 
 def timeit(fn, repeat: int) -> float:
@@ -64,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    how = cpp_stream.load()
+    how = cpp_library.load()
     torch.manual_seed(0)
     rep = args.repeat
     rows = []

@@ -17,12 +17,12 @@
 namespace kltriton_cpp {
 namespace {
 
-enum Mode : int { kLogp = 0, kEntropy = 1, kFullKl = 2 };
-
 struct RowCoef {
   float hi, lo, lse, rlse, A, B, C, gl_inv;
 };
 
+// MODE bits (stream_common.h): kEntropy adds the entropy term, kFullKl (with kRef) the full-KL term
+// and reads the reference row. Without either, the gradient is -p * A (plus the label term).
 template <int MODE>
 inline float grad_scalar(float x, float y, const RowCoef& k) {
   // Clamp -inf to the lowest finite value: lo may be negative, and -inf * lo + -inf is NaN.
@@ -30,11 +30,11 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   y = std::max(y, kLowest);
   const float lp = std::fma(x, k.lo, std::fma(x, k.hi, -k.lse));
   const float p = std::exp(lp);
-  if constexpr (MODE == kLogp) {
+  if constexpr (MODE == 0) {
     return -p * k.A;
   } else {
     float c = std::fma(k.B, lp, k.A);
-    if constexpr (MODE == kFullKl) {
+    if constexpr (MODE & kFullKl) {
       const float lq = std::fma(y, k.lo, std::fma(y, k.hi, -k.rlse));
       c = std::fma(k.C, lq, c);
     }
@@ -51,11 +51,11 @@ void backward_row(const T* x, const T* y, T* g, int64_t V, int64_t label, const 
     const Vec xv = at::vec::clamp_min(xraw, lowest);
     const Vec lp = vfma(xv, vlo, vfma(xv, vhi, nlse));
     const Vec p = vexp(lp);
-    if constexpr (MODE == kLogp) {
+    if constexpr (MODE == 0) {
       return p * nA;
     } else {
       Vec c = at::vec::fmadd(vB, lp, vA);
-      if constexpr (MODE == kFullKl) {
+      if constexpr (MODE & kFullKl) {
         const Vec yv = at::vec::clamp_min(yraw, lowest);
         const Vec lq = vfma(yv, vlo, vfma(yv, vhi, nrlse));
         c = at::vec::fmadd(vC, lq, c);
@@ -68,14 +68,14 @@ void backward_row(const T* x, const T* y, T* g, int64_t V, int64_t label, const 
   for (; v + step <= V; v += step) {
     Vec x0, x1, y0 = zero, y1 = zero;
     load_f2(x + v, x0, x1);
-    if constexpr (MODE == kFullKl) load_f2(y + v, y0, y1);
+    if constexpr (MODE & kFullKl) load_f2(y + v, y0, y1);
     store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
   }
   for (; v < V; ++v) {
-    const float yv = MODE == kFullKl ? static_cast<float>(y[v]) : 0.f;
+    const float yv = (MODE & kFullKl) ? static_cast<float>(y[v]) : 0.f;
     g[v] = static_cast<T>(grad_scalar<MODE>(static_cast<float>(x[v]), yv, k));
   }
-  const float yl = MODE == kFullKl ? static_cast<float>(y[label]) : 0.f;
+  const float yl = (MODE & kFullKl) ? static_cast<float>(y[label]) : 0.f;
   g[label] = static_cast<T>(k.gl_inv + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
 }
 
@@ -89,7 +89,7 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
                   const Inputs& in, at::Tensor& grad, double temperature) {
   const int64_t N = grad.size(0), V = grad.size(1);
   const Rows3d X(logits3d);
-  const Rows3d Y = MODE == kFullKl ? Rows3d(*ref3d) : Rows3d();
+  const Rows3d Y = (MODE & kFullKl) ? Rows3d(*ref3d) : Rows3d();
   T* gbase = grad.data_ptr<T>();
   const double inv = 1.0 / temperature;
   const float hi = static_cast<float>(inv);
@@ -104,22 +104,22 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
         continue;
       }
       const float gl = in.gl[n];
-      const float ge = MODE >= kEntropy && in.ge ? in.ge[n] : 0.f;
-      const float H = MODE >= kEntropy && in.ge ? in.ent[n] : 0.f;
-      const float gk = MODE == kFullKl ? in.gk[n] : 0.f;
-      const float K = MODE == kFullKl ? in.kl[n] : 0.f;
+      const float ge = (MODE & kEntropy) ? in.ge[n] : 0.f;
+      const float H = (MODE & kEntropy) ? in.ent[n] : 0.f;
+      const float gk = (MODE & kFullKl) ? in.gk[n] : 0.f;
+      const float K = (MODE & kFullKl) ? in.kl[n] : 0.f;
       RowCoef k;
       k.hi = hi;
       k.lo = lo;
       k.lse = lse;
-      k.rlse = MODE == kFullKl ? in.rlse[n] : 0.f;
+      k.rlse = (MODE & kFullKl) ? in.rlse[n] : 0.f;
       const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
                        (gk != 0.f ? double(gk) * K : 0.0);
       k.A = static_cast<float>(inv * A);
       k.B = static_cast<float>(inv * (double(ge) - double(gk)));
       k.C = static_cast<float>(inv * gk);
       k.gl_inv = static_cast<float>(inv * gl);
-      backward_row<T, MODE>(X.row<T>(n), MODE == kFullKl ? Y.row<T>(n) : nullptr, g, V, tg, k);
+      backward_row<T, MODE>(X.row<T>(n), (MODE & kFullKl) ? Y.row<T>(n) : nullptr, g, V, tg, k);
     }
   });
 }
@@ -190,20 +190,13 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
   at::Tensor grad = at::empty({N, V}, logits3d.options());
   if (N == 0) return grad;
   advise_huge_pages(grad);
-  const int mode = has_kl ? kFullKl : (has_ent ? kEntropy : kLogp);
-#define KLT_MODES(T)                                                                \
-  switch (mode) {                                                                   \
-    case kLogp: run_backward<T, kLogp>(logits3d, ref3d, in, grad, temperature); break;       \
-    case kEntropy: run_backward<T, kEntropy>(logits3d, ref3d, in, grad, temperature); break; \
-    default: run_backward<T, kFullKl>(logits3d, ref3d, in, grad, temperature); break;        \
-  }
-  switch (logits3d.scalar_type()) {
-    case at::kFloat: KLT_MODES(float); break;
-    case at::kBFloat16: KLT_MODES(at::BFloat16); break;
-    case at::kHalf: KLT_MODES(at::Half); break;
-    default: TORCH_CHECK(false, "kltriton_cpp: unsupported dtype");
-  }
-#undef KLT_MODES
+  const int mode = (has_ent ? kEntropy : 0) | (has_kl ? kRef | kFullKl : 0);
+  with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    with_mode<0, kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+      run_backward<T, decltype(m)::value>(logits3d, ref3d, in, grad, temperature);
+    });
+  });
   return grad;
 }
 

@@ -29,6 +29,36 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kLowest = std::numeric_limits<float>::lowest();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// Per-row target sentinels, defined once in kltriton/kernels/constants.py and passed as -D flags.
+constexpr int64_t kSkip = KLTRITON_SKIP;               // not scored: outputs 0, never read
+constexpr int64_t kOutOfRange = KLTRITON_OUT_OF_RANGE;  // label outside [0, V): outputs NaN, never read
+
+// A kernel variant is one template parameter MODE: a bitmask of these terms.
+enum ModeBit : int { kEntropy = 1, kRef = 2, kFullKl = 4 };
+
+// fn(TypeTag<T>{}) with T the C++ type of a float32 / bfloat16 / float16 tensor.
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+template <typename F>
+inline void with_dtype(at::ScalarType dtype, F&& fn) {
+  switch (dtype) {
+    case at::kFloat: return fn(TypeTag<float>{});
+    case at::kBFloat16: return fn(TypeTag<at::BFloat16>{});
+    case at::kHalf: return fn(TypeTag<at::Half>{});
+    default: TORCH_CHECK(false, "kltriton_cpp: unsupported dtype ", dtype);
+  }
+}
+
+// fn(std::integral_constant<int, M>{}) for the runtime bitmask `mode`, which must be one of MODES
+// (the variants a kernel instantiates).
+template <int... MODES, typename F>
+inline void with_mode(int mode, F&& fn) {
+  const bool found = ((mode == MODES ? (fn(std::integral_constant<int, MODES>{}), true) : false) || ...);
+  TORCH_CHECK(found, "kltriton_cpp: no kernel variant for mode ", mode);
+}
+
 // kW consecutive elements as floats.
 template <typename T>
 inline Vec load_f(const T* p) {
@@ -81,8 +111,8 @@ inline Vec vfma(const Vec& a, const Vec& b, const Vec& c) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // exp(z) for z <= ~0 in 11 AVX512 ops, ~2 ulp: n = round(z / ln2), r = z - n ln2 in
-// [-ln2/2, ln2/2], e^r by a degree-7 polynomial (Cephes expf coefficients less the r^7 term,
-// truncation < 1.3e-7 relative), scaled by 2^n with scalef (exact underflow to 0).
+// [-ln2/2, ln2/2], e^r by a degree-6 polynomial (Cephes expf coefficients; the degree-7 term is
+// dropped, truncation < 1.3e-7 relative), scaled by 2^n with scalef (exact underflow to 0).
 // z = -inf or below -104 gives 0; NaN stays NaN (the clamp returns its second operand).
 inline Vec vexp(const Vec& zv) {
   const __m512 z = _mm512_max_ps(_mm512_set1_ps(-104.f), zv);

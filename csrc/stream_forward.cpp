@@ -19,8 +19,9 @@ struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
 };
 
-template <bool ENT, bool REF, bool KL>
+template <int MODE>
 struct LaneState {
+  static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
   Vec mx, mix, sx, tx, my, miy, sy, u;
   Vec vinv;
 
@@ -128,9 +129,10 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   return c;
 }
 
-template <typename T, bool ENT, bool REF, bool KL>
+template <typename T, int MODE>
 RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, double lo) {
-  LaneState<ENT, REF, KL> st(hi);
+  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
+  LaneState<MODE> st(hi);
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
@@ -205,10 +207,11 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
   return r;
 }
 
-template <typename T, bool ENT, bool REF, bool KL>
+template <typename T, int MODE>
 void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                  const int64_t* tgt, int64_t N, int64_t V, float hi, double lo, float* logp,
                  float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
+  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
   const Rows3d X(logits3d);
   const Rows3d Y = REF ? Rows3d(*ref3d) : Rows3d();
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
@@ -216,11 +219,11 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
       const int64_t tg = tgt[n];
       RowOut r;
       if (tg < 0 || tg >= V) {
-        // -1: skipped (0); -2 (label out of range) and anything >= V: NaN. Never read.
-        const float v = (tg == -2 || tg >= V) ? kNaN : 0.f;
+        // kSkip: 0; kOutOfRange (and any label >= V): NaN. The row is never read.
+        const float v = tg == kSkip ? 0.f : kNaN;
         r = RowOut{v, 0.f, v, v, 0.f, v};
       } else {
-        r = forward_row<T, ENT, REF, KL>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, MODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
       lse[n] = r.lse;
@@ -232,23 +235,6 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
       if constexpr (KL) fkl[n] = r.full_kl;
     }
   });
-}
-
-template <typename T>
-void dispatch_modes(bool ent, bool ref, bool kl, const at::Tensor& logits3d,
-                    const std::optional<at::Tensor>& ref3d, const int64_t* tgt, int64_t N,
-                    int64_t V, float hi, double lo, float* o0, float* o1, float* o2, float* o3,
-                    float* o4, float* o5) {
-#define KLT_RUN(E, R, K) \
-  run_forward<T, E, R, K>(logits3d, ref3d, tgt, N, V, hi, lo, o0, o1, o2, o3, o4, o5)
-  if (kl) {
-    ent ? KLT_RUN(true, true, true) : KLT_RUN(false, true, true);
-  } else if (ref) {
-    ent ? KLT_RUN(true, true, false) : KLT_RUN(false, true, false);
-  } else {
-    ent ? KLT_RUN(true, false, false) : KLT_RUN(false, false, false);
-  }
-#undef KLT_RUN
 }
 
 }  // namespace
@@ -282,22 +268,13 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                    has_ref ? rlogp.data_ptr<float>() : nullptr,
                    has_ref ? rlse.data_ptr<float>() : nullptr,
                    with_full_kl ? fkl.data_ptr<float>() : nullptr};
-    switch (logits3d.scalar_type()) {
-      case at::kFloat:
-        dispatch_modes<float>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N, V, hi,
-                              lo, o[0], o[1], o[2], o[3], o[4], o[5]);
-        break;
-      case at::kBFloat16:
-        dispatch_modes<at::BFloat16>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N,
-                                     V, hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
-        break;
-      case at::kHalf:
-        dispatch_modes<at::Half>(with_entropy, has_ref, with_full_kl, logits3d, ref3d, tgt, N, V,
-                                 hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
-        break;
-      default:
-        TORCH_CHECK(false, "kltriton_cpp: unsupported dtype");
-    }
+    const int mode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (with_full_kl ? kFullKl : 0);
+    with_dtype(logits3d.scalar_type(), [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      with_mode<0, kEntropy, kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, hi, lo, o[0], o[1], o[2], o[3], o[4], o[5]);
+      });
+    });
   }
   return {logp, lse, ent, rlogp, rlse, fkl};
 }

@@ -3,7 +3,7 @@
 Importing the package imports neither Triton nor the C++ kernels and never touches CUDA;
 backends load on first use.
 """
-from kltriton import controllers
+from kltriton import controllers, dispatch
 from kltriton._inputs import set_validation
 from kltriton.dropins import logprobs_of_labels, selective_log_softmax
 from kltriton.ops.fused_kl_reward import KLReward, fused_kl_reward
@@ -16,6 +16,7 @@ __all__ = [
     "KLOutput",
     "KLReward",
     "controllers",
+    "dispatch",
     "fused_kl_reward",
     "logprobs_of_labels",
     "selective_log_softmax",

@@ -1,4 +1,4 @@
-"""``python -m kltriton info`` (versions, usable backends) and ``python -m kltriton demo`` (the main job)."""
+"""``python -m kltriton info`` (versions, what runs here) and ``python -m kltriton demo`` (the main job)."""
 import platform
 import sys
 
@@ -6,7 +6,7 @@ import sys
 def info() -> int:
     import torch
 
-    from kltriton import __version__, _backends
+    from kltriton import __version__, dispatch
 
     print(f"kltriton {__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}", end="")
@@ -16,13 +16,22 @@ def info() -> int:
         print(f", triton {triton.__version__}")
     except ImportError:
         print(", triton not installed")
-    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}, threads: {torch.get_num_threads()}")
     cuda = torch.cuda.is_available()
-    print(f"cuda: {torch.cuda.get_device_name() if cuda else 'not available'}")
-    print("backends:")
-    for name in _backends.BACKENDS:
-        usable, why = _backends.availability(name)
-        print(f"  {name:<10} {'yes' if usable else 'no ':<4} {why}")
+    print(f"cpu: capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    print(f"cuda: {torch.cuda.get_device_name() if cuda else 'no CUDA device'}")
+    print("default backend per family (backend=None):")
+    for family, what in dispatch.FAMILIES.items():
+        on_cpu = dispatch.resolve(None, family, "cpu", False)
+        on_cuda = dispatch.resolve(None, family, "cuda", False) if cuda else "no CUDA device here"
+        print(f"  {family:<8} CPU tensors -> {on_cpu}; CUDA tensors -> {on_cuda}   ({what})")
+    print("family x backend:")
+    for family in dispatch.FAMILIES:
+        for name in dispatch.BACKENDS:
+            usable, why = dispatch.availability(name, family)
+            if usable and name == "triton" and not cuda and not dispatch.triton_interpreted():
+                usable, why = False, ("installed, but no CUDA device here; TRITON_INTERPRET=1 runs CPU tensors "
+                                      "through its interpreter (for tests, far too slow for work)")
+            print(f"  {family:<8} {name:<10} {'yes' if usable else 'no':<4} {why}")
     return 0
 
 

@@ -8,9 +8,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton.kernels import OUT_OF_RANGE, SKIP
+
 _VALIDATE = True
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-SKIP, OUT_OF_RANGE = -1, -2
 
 
 def set_validation(enabled: bool) -> bool:
@@ -34,15 +35,10 @@ def host_checks() -> bool:
 
 
 class Layout(NamedTuple):
-    target: torch.Tensor        # [N] int64: label, -1 not scored, -2 label out of range
+    target: torch.Tensor        # [N] int64: label, SKIP (not scored) or OUT_OF_RANGE
     shape: torch.Size           # S, the leading shape of the logits (shape of every output)
     num_seqs: int               # sequences: rows of [B, T], segments of cu_seqlens, else 1
     seq_index: Optional[torch.Tensor]  # [N] int64 sequence of each position (when asked for)
-
-
-def stats_dtype(logits: torch.Tensor) -> torch.dtype:
-    """Dtype of every ``[N]`` result: float32, or float64 for float64 logits (the oracle)."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def check_logits(logits, name="logits"):

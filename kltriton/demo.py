@@ -136,7 +136,7 @@ def main(argv=None):
     cu_seqlens = torch.tensor([0, *LENGTHS], device=device).cumsum(0)
     scores = (torch.randn(len(LENGTHS), generator=gen) * 3).to(device)
     logits, ref_logits = packed_logits(policy, sequences), packed_logits(reference, sequences)
-    backend = kltriton._backends.resolve(None, logits)
+    backend = kltriton.dispatch.resolve(None, "stream", logits.device.type, False)
     print(f"policy/reference: Llama, vocab {args.vocab}, 2 layers, random weights; device {device}, "
           f"backend {backend}")
     print(f"packed batch: {len(LENGTHS)} sequences, {ids.numel()} tokens, logits {tuple(logits.shape)} "

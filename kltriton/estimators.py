@@ -1,4 +1,4 @@
-"""Per-token KL estimators on ``d = logp - ref_logp`` (``[N]`` work, shared by every backend).
+"""Per-token KL estimators on ``d = logp - ref_logp`` (``[N]`` PyTorch work, shared by every backend).
 
 | estimator | value                 | aliases               |
 |-----------|-----------------------|-----------------------|
@@ -34,42 +34,18 @@ def check_kl_clamp(kl_clamp):
     return float(kl_clamp)
 
 
-def unclamped(estimator: str, logp, ref_logp, full_kl):
-    """The estimator's value before ``kl_clamp``."""
-    if estimator == "full":
-        return full_kl
-    d = logp - ref_logp
-    if estimator == "k1":
-        return d
-    if estimator == "abs":
-        return d.abs()
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.expm1(-d) + d  # k3: exp(-d) - 1 + d, expm1 keeps small d accurate
-
-
 def value(estimator: str, kl_clamp, logp, ref_logp, full_kl):
-    """The estimator's value: always a new tensor (a custom op's outputs may not alias)."""
-    kl = unclamped(estimator, logp, ref_logp, full_kl)
-    if kl_clamp is not None:
-        return kl.clamp(-kl_clamp, kl_clamp)
-    return kl.clone() if kl is full_kl else kl
-
-
-def grad_wrt_logp(estimator: str, kl_clamp, logp, ref_logp, full_kl, g_kl):
-    """``(g_label, g_full)``: how ``g_kl`` reaches ``logp`` and, for ``full``, the full-KL term."""
-    if kl_clamp is not None:
-        inside = unclamped(estimator, logp, ref_logp, full_kl).abs() <= kl_clamp
-        g_kl = torch.where(inside, g_kl, torch.zeros_like(g_kl))
+    """The estimator's value on ``[N]`` tensors (``kl_clamp`` applied); autograd derives its gradient."""
     if estimator == "full":
-        return None, g_kl
-    d = logp - ref_logp
-    if estimator == "k1":
-        slope = torch.ones_like(d)
-    elif estimator == "abs":
-        slope = torch.sign(d)
-    elif estimator == "k2":
-        slope = d
+        kl = full_kl
     else:
-        slope = -torch.expm1(-d)  # k3: 1 - exp(-d)
-    return g_kl * slope, None
+        d = logp - ref_logp
+        if estimator == "k1":
+            kl = d
+        elif estimator == "abs":
+            kl = d.abs()
+        elif estimator == "k2":
+            kl = 0.5 * d * d
+        else:
+            kl = torch.expm1(-d) + d  # k3: exp(-d) - 1 + d, expm1 keeps small d accurate
+    return kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)

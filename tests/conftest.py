@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kltriton import _backends  # noqa: E402
+from kltriton import dispatch  # noqa: E402
 
 BACKENDS = ("reference", "triton", "cpp")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -15,19 +15,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TEST_DEVICE = os.environ.get("KLTRITON_TEST_DEVICE", "cpu")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (checked when the test runs, not at collection)")
-
-
-def pytest_runtest_setup(item):
-    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Every backend usable on this machine; CPU tensors reach Triton through the interpreter."""
-    usable, why = _backends.availability(request.param)
+    usable, why = dispatch.availability(request.param)
     if request.param == "cpp" and TEST_DEVICE != "cpu":
         usable, why = False, "C++ kernels take CPU tensors"
     if not usable:

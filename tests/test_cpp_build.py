@@ -1,4 +1,4 @@
-"""Build machinery of the C++ CPU backend (``kltriton.kernels.cpp_stream``), not its numerics.
+"""Build machinery of the C++ CPU backend (``kltriton.kernels.cpp_library``), not its numerics.
 
 - importing the module compiles nothing;
 - no compiler (or no ninja): one clear warning, ``availability() == (False, reason)``, and the
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kltriton.kernels import cpp_stream
+from kltriton.kernels import cpp_library
+from kltriton.kernels.stream import cpp as stream_cpp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,7 @@ def test_import_compiles_nothing(tmp_path):
     proc = _run(
         """
         import json, torch
-        import kltriton.kernels.cpp_stream as c
+        import kltriton.kernels.cpp_library as c
         import kltriton
         print(json.dumps({"registered": c._registered(), "loaded": c._state["loaded"]}))
         """,
@@ -56,19 +57,20 @@ def test_no_compiler_single_warning_and_fallback(tmp_path):
     proc = _run(
         """
         import json, warnings, torch
-        from kltriton.kernels import cpp_stream as c
+        from kltriton.kernels import cpp_library as c
+        from kltriton.kernels.stream import cpp as stream_cpp
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             quick = c.availability(build=False)
             a1 = c.availability()
             a2 = c.availability()
             try:
-                c.forward(torch.randn(2, 5), None, torch.tensor([0, 1]), 1.0, False, False)
+                stream_cpp.forward(torch.randn(2, 5), None, torch.tensor([0, 1]), 1.0, False, False)
                 raised = None
             except c.CppUnavailable as err:
                 raised = str(err)
-            from kltriton import _backends
-            picked = _backends.resolve(None, torch.randn(2, 5))
+            from kltriton import dispatch
+            picked = dispatch.resolve(None, "stream", "cpu", False)
         msgs = [str(x.message) for x in w if "C++ CPU backend" in str(x.message)]
         print(json.dumps({"quick": quick, "a1": a1, "a2": a2, "raised": raised, "msgs": msgs, "picked": picked}))
         """,
@@ -89,33 +91,33 @@ def test_no_ninja_reason(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KLTRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    with pytest.raises(cpp_stream.CppUnavailable, match="ninja"):
-        cpp_stream._jit_build(cpp_stream.source_dir())
+    with pytest.raises(cpp_library.CppUnavailable, match="ninja"):
+        cpp_library._jit_build(cpp_library.source_dir())
 
 
 def test_load_twice_registers_once():
-    ok, why = cpp_stream.availability()
+    ok, why = cpp_library.availability()
     if not ok:
         pytest.skip(why)
-    loads = cpp_stream._state["loads"]
+    loads = cpp_library._state["loads"]
     assert loads <= 1
-    how1 = cpp_stream.load()
-    how2 = cpp_stream.load()
-    assert how1 == how2 and cpp_stream._state["loads"] == loads
-    cpp_stream._reset_for_tests()  # a fresh loader state must notice the registered ops
+    how1 = cpp_library.load()
+    how2 = cpp_library.load()
+    assert how1 == how2 and cpp_library._state["loads"] == loads
+    cpp_library._reset_for_tests()  # a fresh loader state must notice the registered ops
     try:
-        assert cpp_stream.load() == "already registered in this process"
-        assert cpp_stream._state["loads"] == loads
+        assert cpp_library.load() == "already registered in this process"
+        assert cpp_library._state["loads"] == loads
     finally:
-        cpp_stream._reset_for_tests()
-        cpp_stream.load()
+        cpp_library._reset_for_tests()
+        cpp_library.load()
     assert hasattr(torch.ops.kltriton_cpp, "stream_forward")
     info = torch.ops.kltriton_cpp.build_info()
-    assert f"cap={cpp_stream.cpu_capability()}" in info
+    assert f"cap={cpp_library.cpu_capability()}" in info
 
 
 def test_thread_count_determinism():
-    ok, why = cpp_stream.availability()
+    ok, why = cpp_library.availability()
     if not ok:
         pytest.skip(why)
     g = torch.Generator().manual_seed(0)
@@ -129,8 +131,8 @@ def test_thread_count_determinism():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            st = cpp_stream.forward(x, y, t, 0.7, True, True)
-            grad = cpp_stream.backward(x, y, t, 0.7, st.lse, st.ref_lse, gl, ge, st.entropy, gk, st.full_kl)
+            st = stream_cpp.forward(x, y, t, 0.7, True, True)
+            grad = stream_cpp.backward(x, y, t, 0.7, st.lse, st.ref_lse, gl, ge, st.entropy, gk, st.full_kl)
             results.append((st, grad))
     finally:
         torch.set_num_threads(before)
@@ -144,7 +146,7 @@ _FAKE_BUILD = """
     import json, os, sys, time, torch
     from pathlib import Path
     from torch.utils import cpp_extension
-    from kltriton.kernels import cpp_stream as c
+    from kltriton.kernels import cpp_library as c
     log = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(os.environ["FAKE_LOG"])
     def fake_load(name, sources, build_directory, **kw):
         assert not (Path(build_directory) / "lock").exists(), "stale torch baton not removed"
@@ -164,7 +166,7 @@ _FAKE_BUILD = """
 
 def test_concurrent_builds_build_once_and_clear_stale_baton(tmp_path):
     cache = tmp_path / "cache"
-    key = cpp_stream.build_key(cpp_stream.source_dir())
+    key = cpp_library.build_key(cpp_library.source_dir())
     (cache / key).mkdir(parents=True)
     (cache / key / "lock").write_text("left by a killed build")  # torch FileBaton of a dead process
     log = tmp_path / "log.txt"
@@ -176,7 +178,7 @@ def test_concurrent_builds_build_once_and_clear_stale_baton(tmp_path):
         assert p.returncode == 0, err[-3000:]
     lines = log.read_text().split()
     assert lines.count("build") == 1 and lines.count("load") == 1, lines
-    assert (cache / key / cpp_stream._OK_MARKER).is_file()
+    assert (cache / key / cpp_library._OK_MARKER).is_file()
 
 
 def test_flock_released_when_holder_is_killed(tmp_path):
@@ -194,35 +196,35 @@ def test_flock_released_when_holder_is_killed(tmp_path):
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    with cpp_stream._file_lock(lock):  # would block forever if the lock survived its holder
+    with cpp_library._file_lock(lock):  # would block forever if the lock survived its holder
         pass
 
 
 def test_compile_flags_follow_capability():
-    assert "-mavx512f" in cpp_stream.compile_flags("AVX512")
-    assert "-DCPU_CAPABILITY_AVX512" in cpp_stream.compile_flags("AVX512")
-    avx2 = cpp_stream.compile_flags("AVX2")
+    assert "-mavx512f" in cpp_library.compile_flags("AVX512")
+    assert "-DCPU_CAPABILITY_AVX512" in cpp_library.compile_flags("AVX512")
+    avx2 = cpp_library.compile_flags("AVX2")
     assert "-mavx2" in avx2 and not any("avx512" in f for f in avx2)
-    default = cpp_stream.compile_flags("DEFAULT")
+    default = cpp_library.compile_flags("DEFAULT")
     assert not any(f.startswith("-m") for f in default) and "-DCPU_CAPABILITY=DEFAULT" in default
-    assert "-fopenmp" in default and "-fopenmp" in cpp_stream.LINK_FLAGS
-    assert cpp_stream.cpu_capability() in ("DEFAULT", "AVX2", "AVX512")
+    assert "-fopenmp" in default and "-fopenmp" in cpp_library.LINK_FLAGS
+    assert cpp_library.cpu_capability() in ("DEFAULT", "AVX2", "AVX512")
 
 
 def test_aot_library_capability_check(tmp_path, monkeypatch):
     pkg = tmp_path / "kltriton"
     pkg.mkdir()
-    monkeypatch.setattr(cpp_stream, "_package_dir", lambda: pkg)
+    monkeypatch.setattr(cpp_library, "_package_dir", lambda: pkg)
     monkeypatch.delenv("KLTRITON_CPP_AOT", raising=False)
-    assert cpp_stream.aot_library_path() is None
+    assert cpp_library.aot_library_path() is None
     lib = pkg / "_C.cpython-311-x86_64-linux-gnu.so"
     lib.write_bytes(b"\x7fELF....KLTRITON_CPP_BUILD_TAG cap=AVX512;....")
-    assert cpp_stream._lib_capability(lib) == "AVX512"
-    monkeypatch.setattr(cpp_stream, "cpu_capability", lambda: "AVX2")
-    assert cpp_stream.aot_library_path() is None  # never load AVX512 code on an AVX2 machine
-    monkeypatch.setattr(cpp_stream, "cpu_capability", lambda: "AVX512")
-    assert cpp_stream.aot_library_path() == lib
+    assert cpp_library._lib_capability(lib) == "AVX512"
+    monkeypatch.setattr(cpp_library, "cpu_capability", lambda: "AVX2")
+    assert cpp_library.aot_library_path() is None  # never load AVX512 code on an AVX2 machine
+    monkeypatch.setattr(cpp_library, "cpu_capability", lambda: "AVX512")
+    assert cpp_library.aot_library_path() == lib
     monkeypatch.setenv("KLTRITON_CPP_AOT", "0")
-    assert cpp_stream.aot_library_path() is None
+    assert cpp_library.aot_library_path() is None
     lib.write_bytes(b"KLTRITON_CPP_BUILD_TAG cap=CPU_CAPABILITY;")
-    assert cpp_stream._lib_capability(lib) == "DEFAULT"
+    assert cpp_library._lib_capability(lib) == "DEFAULT"

@@ -6,7 +6,7 @@ CHECK = """
 import sys
 import torch
 import kltriton
-heavy = [m for m in ("triton", "torch._dynamo", "transformers", "torchrl", "kltriton.kernels.cpp_stream")
+heavy = [m for m in ("triton", "torch._dynamo", "transformers", "torchrl", "kltriton.kernels.cpp_library")
          if m in sys.modules]
 assert not heavy, heavy
 assert not torch.cuda.is_initialized()

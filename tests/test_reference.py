@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kltriton
-from kltriton import reference
+from kltriton.kernels.stream import reference
 from helpers import assert_close, random_labels, random_logits
 
 

@@ -152,4 +152,4 @@ def test_env_var_forces_backend(monkeypatch):
     with pytest.raises(ValueError, match="KLTRITON_BACKEND"):
         kltriton.token_logprobs(torch.randn(2, 9), torch.zeros(2, dtype=torch.long))
     monkeypatch.setenv("KLTRITON_BACKEND", "reference")
-    assert kltriton._backends.resolve(None, torch.randn(2, 9)) == "reference"
+    assert kltriton.dispatch.resolve(None, "stream", "cpu", False) == "reference"

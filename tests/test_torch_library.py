@@ -5,45 +5,34 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kltriton
-from kltriton import _backends
-from kltriton.ops.fused_kl_reward import _fused_kl_reward_op
-from kltriton.ops.stream_backward import stream_backward
-from kltriton.ops.token_kl import _token_kl_op
-from kltriton.ops.token_logprobs import _token_logprobs_op
-
-
-def _target(n, vocab):
-    target = torch.randint(0, vocab, (n,))
-    target[1] = -1
-    return target
+from kltriton import dispatch
+from kltriton.kernels import SKIP
+from kltriton.ops.stream import stream_backward, stream_forward
 
 
 def op_samples(backend):
+    """Every variant of the stream family's two ops: entropy, reference, full KL, temperatures."""
     scalar = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
     vocab = 67
     logits = torch.randn(2, 3, vocab, requires_grad=True)
     ref = torch.randn(2, 3, vocab)
-    ref_lp = torch.randn(2, 3).clamp(max=0)
-    target = _target(6, vocab)
-    seq_index = torch.arange(6) // 3
-    yield _token_logprobs_op, (logits, target, scalar(0.7), True, backend)
-    yield _token_logprobs_op, (logits, target, scalar(1.0), False, backend)
-    for estimator, reference in (("k3", ref), ("full", ref), ("k1", ref_lp)):
-        yield _token_kl_op, (logits, reference, target, estimator, None, scalar(0.9), backend)
-    yield _token_kl_op, (logits, ref, target, "abs", 0.5, scalar(1.0), backend)
-    yield _fused_kl_reward_op, (logits, ref, target, seq_index, 2, scalar(0.1), torch.randn(2, 3), torch.randn(2),
-                                5.0, "k2", None, scalar(1.0), backend)
-    yield _fused_kl_reward_op, (logits, ref_lp, target, seq_index, 2, torch.tensor(0.2), None, None, None,
-                                "k1", None, scalar(1.3), backend)
-    stats = _backends.module(backend).forward(logits.detach(), ref, target, scalar(1.0), True, True)
+    target = torch.randint(0, vocab, (6,))
+    target[1] = SKIP
+    for ref_logits, with_entropy, with_full_kl, temperature in (
+            (None, False, False, 1.0), (None, True, False, 0.7), (ref, False, False, 1.3),
+            (ref, True, True, 0.9), (ref, False, True, 1.0)):
+        yield stream_forward, (logits, ref_logits, target, scalar(temperature), with_entropy, with_full_kl, backend)
+    stats = dispatch.implementation("stream", backend).forward(logits.detach(), ref, target, scalar(1.0), True, True)
     g = torch.randn(6)
-    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, g, g, stats.entropy, g,
-                            stats.full_kl, backend)
+    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, g, g, stats.entropy,
+                            g, stats.full_kl, backend)
+    yield stream_backward, (logits.detach(), None, target, scalar(0.8), stats.lse, None, g, None, None, None, None,
+                            backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
 def test_opcheck(backend_name):
-    usable, why = _backends.availability(backend_name)
+    usable, why = dispatch.availability(backend_name)
     if not usable:
         pytest.skip(why)
     for op, args in op_samples(backend_name):

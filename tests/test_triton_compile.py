@@ -14,7 +14,7 @@ COMPILE_ALL = textwrap.dedent('''
     import itertools, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kltriton.kernels import triton_stream as ts
+    from kltriton.kernels.stream import triton as ts
 
     def arg_type(name, dtype):
         if name == "target_ptr":
@@ -27,7 +27,9 @@ COMPILE_ALL = textwrap.dedent('''
             return "*fp32"
         return "i64" if "stride" in name else "i32"
 
-    def compile_variant(kernel, dtype, flags):
+    def compile_variant(kernel, dtype, absent, block_v):
+        """Compile with the arguments named in ``absent`` passed as None (a compile-time constant)."""
+        flags = dict({n: None for n in absent}, BLOCK_V=block_v)
         signature = {n: "constexpr" if n in flags else arg_type(n, dtype) for n in kernel.arg_names}
         constexprs = {(kernel.arg_names.index(n),): v for n, v in flags.items()}
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -38,11 +40,14 @@ COMPILE_ALL = textwrap.dedent('''
         for ref, ent, full in itertools.product([False, True], repeat=3):
             if full and not ref:
                 continue
-            compile_variant(ts._stream_forward_kernel, dtype,
-                            dict(HAS_REF=ref, WITH_ENTROPY=ent, WITH_FULL_KL=full, BLOCK_V=4096))
+            absent = ([] if ref else ["ref_ptr", "ref_logp_ptr", "ref_lse_ptr"]) + \
+                     ([] if ent else ["entropy_ptr"]) + ([] if full else ["full_kl_ptr"])
+            compile_variant(ts._stream_forward_kernel, dtype, absent, 4096)
             count += 1
         for ent, full in itertools.product([False, True], repeat=2):
-            compile_variant(ts._stream_backward_kernel, dtype, dict(WITH_ENTROPY=ent, WITH_FULL_KL=full, BLOCK_V=1024))
+            absent = ([] if ent else ["entropy_ptr", "g_entropy_ptr"]) + \
+                     ([] if full else ["ref_ptr", "ref_lse_ptr", "full_kl_ptr", "g_full_kl_ptr"])
+            compile_variant(ts._stream_backward_kernel, dtype, absent, 1024)
             count += 1
     print("compiled", count)
 ''')

@@ -2,16 +2,16 @@
 
 The KL comes from the same single pass as ``token_kl``; the reward shaping and the
 per-sequence mean are a handful of vectorized ``[N]`` ops after it (no Python loop over
-sequences, no host sync, no second pass over the logits).
+sequences, no host sync, no second pass over the logits), differentiated by autograd.
 """
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton import _backends
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
-from kltriton.ops.stream_backward import zeros_if_none
-from kltriton.ops.token_kl import check_estimator, kl_backward, kl_forward, kl_forward_fake, ref_is_logits
+from kltriton.kernels import SKIP
+from kltriton.ops.stream import stream_backend
+from kltriton.ops.token_kl import check_estimator, kl_of_target, ref_is_logits
 
 
 class KLReward(NamedTuple):
@@ -23,8 +23,8 @@ class KLReward(NamedTuple):
 
 
 def _valid_counts(target, seq_index, num_seqs, dtype):
-    """Scored positions per sequence (``-2`` positions count: their NaN must show in the mean)."""
-    scored = (target != -1).to(dtype)
+    """Scored positions per sequence (``OUT_OF_RANGE`` positions count: their NaN must show in the mean)."""
+    scored = (target != SKIP).to(dtype)
     return scored, torch.zeros(num_seqs, dtype=dtype, device=target.device).index_add_(0, seq_index, scored)
 
 
@@ -49,66 +49,12 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
     return reward, kl_per_seq
 
 
-@torch.library.custom_op("kltriton::fused_kl_reward", mutates_args=())
-def _fused_kl_reward_op(
-    logits: torch.Tensor,       # [..., V]
-    ref: torch.Tensor,          # [..., V] reference logits, or S reference log-probs
-    target: torch.Tensor,       # [N] int64
-    seq_index: torch.Tensor,    # [N] int64 sequence of each position
-    num_seqs: int,
-    coef: torch.Tensor,                   # 0-dim
-    rewards: Optional[torch.Tensor],      # S or S + [1]
-    scores: Optional[torch.Tensor],       # [num_seqs]
-    score_clip: Optional[float],
-    estimator: str,
-    kl_clamp: Optional[float],
-    temperature: torch.Tensor,            # 0-dim float64
-    backend: str,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl)``."""
-    kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward(logits, ref, target, estimator, kl_clamp, temperature, backend)
-    reward, kl_per_seq = shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_clip)
-    return reward, kl, logp, ref_logp, kl_per_seq, lse, ref_lse, full_kl
-
-
-@_fused_kl_reward_op.register_fake
-def _(logits, ref, target, seq_index, num_seqs, coef, rewards, scores, score_clip, estimator,
-      kl_clamp, temperature, backend):
-    kl, logp, ref_logp, lse, ref_lse, full_kl = kl_forward_fake(logits, ref, target, estimator)
-    return kl.new_empty(kl.shape), kl, logp, ref_logp, kl.new_empty(num_seqs), lse, ref_lse, full_kl
-
-
-def _setup_context(ctx, inputs, output):
-    (logits, ref, target, seq_index, num_seqs, coef, _, _, _,
-     estimator, kl_clamp, temperature, backend) = inputs
-    _, _, logp, ref_logp, _, lse, ref_lse, full_kl = output
-    ctx.save_for_backward(logits, ref, target, seq_index, coef, temperature, logp, ref_logp, lse, ref_lse, full_kl)
-    ctx.args = (num_seqs, estimator, kl_clamp, backend)
-
-
-def _backward(ctx, g_reward, g_kl, g_logp, g_ref_logp, g_kl_per_seq, g_lse, g_ref_lse, g_full_kl):
-    logits, ref, target, seq_index, coef, temperature, logp, ref_logp, lse, ref_lse, full_kl = ctx.saved_tensors
-    num_seqs, estimator, kl_clamp, backend = ctx.args
-    g_kl = zeros_if_none(g_kl, lse)
-    if g_reward is not None:
-        g_kl = g_kl - coef.to(g_reward.dtype) * g_reward
-    if g_kl_per_seq is not None:
-        scored, counts = _valid_counts(target, seq_index, num_seqs, lse.dtype)
-        g_kl = g_kl + (g_kl_per_seq / counts.clamp(min=1))[seq_index] * scored
-    grad = kl_backward(logits, ref, target, estimator, kl_clamp, temperature, backend,
-                       logp, ref_logp, lse, ref_lse, full_kl, g_kl, zeros_if_none(g_logp, lse))
-    return (grad,) + (None,) * 12
-
-
-_fused_kl_reward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
 def _check_coef(coef, logits):
     if isinstance(coef, torch.Tensor):
-        if coef.dim() != 0 or not coef.dtype.is_floating_point:
-            raise ValueError(f"coef must be a float or a 0-dim floating tensor, got shape {tuple(coef.shape)} "
-                             f"{coef.dtype}")
+        if not coef.dtype.is_floating_point:
+            raise TypeError(f"coef must be a float or a 0-dim floating tensor, got {coef.dtype}")
+        if coef.dim() != 0:
+            raise ValueError(f"coef must be a float or a 0-dim tensor, got shape {tuple(coef.shape)}")
         if coef.device != logits.device:
             raise ValueError(f"coef is on {coef.device} but logits are on {logits.device}")
         return coef.detach()
@@ -132,8 +78,10 @@ def _check_rewards(rewards, logits):
 
 def _check_scores(scores, num_seqs, logits, score_clip):
     if score_clip is not None:
-        if isinstance(score_clip, torch.Tensor) or not isinstance(score_clip, (int, float)) or not score_clip > 0:
-            raise ValueError(f"score_clip must be a positive float or None, got {score_clip!r}")
+        if isinstance(score_clip, (torch.Tensor, bool)) or not isinstance(score_clip, (int, float)):
+            raise TypeError(f"score_clip must be a python float or None, got {type(score_clip).__name__}")
+        if not score_clip > 0:
+            raise ValueError(f"score_clip must be > 0, got {score_clip!r}")
         score_clip = float(score_clip)
     if scores is None:
         return None, score_clip
@@ -192,9 +140,9 @@ def fused_kl_reward(
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
-    backend = _backends.resolve(backend, logits)
-    reward, kl, logp, ref_logp, kl_per_seq, *_ = _fused_kl_reward_op(
-        logits, ref.detach(), layout.target, layout.seq_index, layout.num_seqs, coef,
-        rewards, scores, score_clip, estimator, kl_clamp, temperature, backend)
+    backend = stream_backend(backend, logits)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend)
+    reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
+                                       rewards, scores, score_clip)
     shape = layout.shape
     return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)

@@ -1,14 +1,14 @@
-"""Plain PyTorch reference backend: the test oracle (run it in float64) and the fallback.
+"""Reference backend of the ``stream`` family: the test oracle (run it in float64) and the fallback.
 
-Implements the backend interface documented in ``kltriton.kernels`` with ordinary tensor
-ops, a bounded chunk of rows at a time so memory stays ``O(chunk * V)`` whatever ``N`` is.
+Implements the contract of ``kltriton.kernels.stream`` with ordinary tensor ops, a bounded chunk of rows at a time so memory stays ``O(chunk * V)`` whatever ``N`` is.
 It computes in float64 when given float64 logits, else in float32, and returns statistics
 in that precision (float64 results from float64 logits: the oracle for the tests).
 """
 import torch
 
-from kltriton._rows import as_rows3d, num_rows
-from kltriton.kernels import StreamStats
+from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype
+from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.stream import StreamStats
 
 CHUNK_ELEMENTS = 1 << 22  # rows per chunk = CHUNK_ELEMENTS // V (about 32 MiB of fp64 per temporary)
 
@@ -17,10 +17,6 @@ def _chunks(n_rows: int, vocab: int):
     step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     for start in range(0, n_rows, step):
         yield start, min(start + step, n_rows)
-
-
-def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def _take_rows(rows3d: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +38,7 @@ def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
-    device, acc = logits.device, _acc_dtype(logits)
+    device, acc = logits.device, accumulation_dtype(logits.dtype)
     has_ref = ref_logits is not None
     new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=device)  # noqa: E731
     logp, lse, entropy = new(True), new(True), new(with_entropy)
@@ -72,7 +68,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
             if with_full_kl:
                 kl = _p_times(p, logp_all - logq_all).sum(-1)
                 full_kl[rows] = kl.masked_fill(dead, float("nan"))
-    bad = target == -2
+    bad = target == OUT_OF_RANGE
     for out in (logp, entropy, ref_logp, full_kl):
         if out.numel():
             out.masked_fill_(bad, float("nan"))
@@ -82,7 +78,7 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
              g_full_kl, full_kl) -> torch.Tensor:
     n, vocab = num_rows(logits), logits.shape[-1]
-    acc = _acc_dtype(logits)
+    acc = accumulation_dtype(logits.dtype)
     grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
     grad2d = grad.view(n, vocab)
     rows3d = as_rows3d(logits)

@@ -1,18 +1,24 @@
-"""Triton backend: one program per row, streaming over the vocab in ``BLOCK_V`` chunks.
+"""Triton backend of the ``stream`` family: one program per row, streaming over the vocab in ``BLOCK_V`` chunks.
 
 Forward keeps an online max ``m`` of the raw logits and sums of ``exp((x - m) / T)``,
 so nothing of size ``[N, V]`` is written and a row is read once (policy and reference
 rows in the same loop). Backward recomputes the probabilities from the saved fp32
-log-sum-exp. See ``kltriton.kernels`` for the exact contract.
+log-sum-exp. See ``kltriton.kernels.stream`` for the contract. Absent optional tensors are
+passed as ``None``: Triton specializes the kernel on them (a compile-time constant), so a
+variant without a reference never carries its pointer or its code.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kltriton._rows import as_rows3d, num_rows
-from kltriton.kernels import StreamStats
+from kltriton.kernels import constants
+from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.stream import StreamStats
 
-NEG_INF = tl.constexpr(float("-inf"))  # a plain global is not visible to compiled kernels
+# Globals read inside a kernel must be tl.constexpr: a plain Python global compiles under the
+# interpreter but is an error for the real compiler.
+NEG_INF = tl.constexpr(float("-inf"))
+SKIP = tl.constexpr(constants.SKIP)
 
 
 def _block_v(vocab: int) -> int:
@@ -55,22 +61,24 @@ def _online_update(x, m, s, inv_temperature):
 @triton.jit
 def _stream_forward_kernel(
     logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
-    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or dummy
-    target_ptr,                 # [N] int64: label, -1 skip, -2 out-of-range label
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
+    target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr,          # [N] fp32 outputs
-    entropy_ptr,                # [N] fp32 (written when WITH_ENTROPY)
-    ref_logp_ptr, ref_lse_ptr,  # [N] fp32 (written when HAS_REF)
-    full_kl_ptr,                # [N] fp32 (written when WITH_FULL_KL)
+    entropy_ptr,                # [N] fp32 output, or None
+    ref_logp_ptr, ref_lse_ptr,  # [N] fp32 outputs, or None (with ref_ptr)
+    full_kl_ptr,                # [N] fp32 output, or None
     vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
-    HAS_REF: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    HAS_REF: tl.constexpr = ref_ptr is not None
+    WITH_ENTROPY: tl.constexpr = entropy_ptr is not None
+    WITH_FULL_KL: tl.constexpr = full_kl_ptr is not None
     row = tl.program_id(0)
     inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
     target = tl.load(target_ptr + row)
     if target < 0:
-        # Not scored: never read the row. -1 -> 0.0, -2 (label out of range) -> NaN.
-        skipped = tl.where(target == -1, 0.0, float("nan"))
+        # Not scored: never read the row. SKIP -> 0.0, OUT_OF_RANGE -> NaN.
+        skipped = tl.where(target == SKIP, 0.0, float("nan"))
         tl.store(logp_ptr + row, skipped)
         tl.store(lse_ptr + row, 0.0)
         if WITH_ENTROPY:
@@ -82,11 +90,10 @@ def _stream_forward_kernel(
             tl.store(full_kl_ptr + row, skipped)
     else:
         x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
-        m_x = float("-inf")
+        m_x = NEG_INF
         s_x = 0.0
         t_x = 0.0   # sum exp(z) * z, for the entropy
-        m_y = float("-inf")
+        m_y = NEG_INF
         s_y = 0.0
         u = 0.0     # sum exp(zx) * (zx - zy), for the full KL
         m_x_safe = 0.0
@@ -94,7 +101,7 @@ def _stream_forward_kernel(
         for start in range(0, vocab, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             in_vocab = offs < vocab
-            x = tl.load(x_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+            x = tl.load(x_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
             s_x_old = s_x
             m_x_safe_old = m_x_safe
             m_x, m_x_safe, alpha_x, z_x, e_x, s_x = _online_update(x, m_x, s_x, inv_temperature)
@@ -103,7 +110,8 @@ def _stream_forward_kernel(
                 t_x = tl.where(s_x_old > 0, alpha_x * (t_x - delta * s_x_old), 0.0)
                 t_x += tl.sum(tl.where(x == NEG_INF, 0.0, e_x * z_x), axis=0)
             if HAS_REF:
-                y = tl.load(y_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+                y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+                y = tl.load(y_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
                 m_y_safe_old = m_y_safe
                 m_y, m_y_safe, alpha_y, z_y, e_y, s_y = _online_update(y, m_y, s_y, inv_temperature)
                 if WITH_FULL_KL:
@@ -117,6 +125,7 @@ def _stream_forward_kernel(
         if WITH_ENTROPY:
             tl.store(entropy_ptr + row, log_s_x - t_x / s_x)
         if HAS_REF:
+            y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             log_s_y = tl.log(s_y)
             y_label = tl.load(y_row + target).to(tl.float32)
             tl.store(ref_logp_ptr + row, _clamp_nonpositive((y_label - m_y_safe) * inv_temperature - log_s_y))
@@ -128,15 +137,17 @@ def _stream_forward_kernel(
 @triton.jit
 def _stream_backward_kernel(
     logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
-    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or dummy
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     target_ptr,                 # [N] int64
     lse_ptr, g_logp_ptr,        # [N] fp32
-    entropy_ptr, g_entropy_ptr,  # [N] fp32 (read when WITH_ENTROPY)
-    ref_lse_ptr, full_kl_ptr, g_full_kl_ptr,  # [N] fp32 (read when WITH_FULL_KL)
+    entropy_ptr, g_entropy_ptr,  # [N] fp32, or None (no entropy term)
+    ref_lse_ptr, full_kl_ptr, g_full_kl_ptr,  # [N] fp32, or None (no full-KL term, with ref_ptr)
     vocab, temperature_ptr,     # temperature: 0-dim float64 tensor (data, so no recompile)
-    WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
+    WITH_ENTROPY: tl.constexpr = g_entropy_ptr is not None
+    WITH_FULL_KL: tl.constexpr = g_full_kl_ptr is not None
     row = tl.program_id(0)
     inv_temperature = (1.0 / tl.load(temperature_ptr)).to(tl.float32)
     grad_row = grad_ptr + row.to(tl.int64) * vocab
@@ -146,7 +157,6 @@ def _stream_backward_kernel(
     live = (target >= 0) & (lse > NEG_INF)
     g_logp = tl.where(live, tl.load(g_logp_ptr + row), 0.0)
     x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-    y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if WITH_ENTROPY:
         entropy = tl.load(entropy_ptr + row)
         g_entropy = tl.where(live, tl.load(g_entropy_ptr + row), 0.0)
@@ -159,14 +169,15 @@ def _stream_backward_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         in_vocab = offs < vocab
         read = offs < read_limit
-        x = tl.load(x_row + offs, mask=read, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_row + offs, mask=read, other=NEG_INF).to(tl.float32)
         log_p = x * inv_temperature - lse
         p = tl.exp(log_p)
         grad = g_logp * (tl.where(offs == target, 1.0, 0.0) - p)
         if WITH_ENTROPY:
             grad -= g_entropy * tl.where(x == NEG_INF, 0.0, p * (log_p + entropy))
         if WITH_FULL_KL:
-            y = tl.load(y_row + offs, mask=read, other=float("-inf")).to(tl.float32)
+            y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+            y = tl.load(y_row + offs, mask=read, other=NEG_INF).to(tl.float32)
             log_q = y * inv_temperature - ref_lse
             grad += g_full_kl * tl.where(x == NEG_INF, 0.0, p * (log_p - log_q - full_kl))
         grad = tl.where(live, grad * inv_temperature, 0.0)
@@ -174,7 +185,9 @@ def _stream_backward_kernel(
 
 
 def _view_args(tensor):
-    """(tensor, B, outer stride, inner stride) of the ``[A, B, V]`` row view."""
+    """(tensor, B, outer stride, inner stride) of the ``[A, B, V]`` row view; all None for None."""
+    if tensor is None:
+        return None, 1, 0, 0
     rows3d = as_rows3d(tensor)
     return rows3d, rows3d.shape[1], rows3d.stride(0), rows3d.stride(1)
 
@@ -186,17 +199,12 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
     stats = StreamStats(new(True), new(True), new(with_entropy), new(has_ref), new(has_ref), new(with_full_kl))
     if n == 0:
         return stats
-    x_args = _view_args(logits)
-    y_args = _view_args(ref_logits) if has_ref else x_args
-    dummy = stats.logp
+    when = lambda wanted, tensor: tensor if wanted else None  # noqa: E731
     _stream_forward_kernel[(n,)](
-        *x_args, *y_args, target,
-        stats.logp, stats.lse,
-        stats.entropy if with_entropy else dummy,
-        stats.ref_logp if has_ref else dummy, stats.ref_lse if has_ref else dummy,
-        stats.full_kl if with_full_kl else dummy,
+        *_view_args(logits), *_view_args(ref_logits), target,
+        stats.logp, stats.lse, when(with_entropy, stats.entropy),
+        when(has_ref, stats.ref_logp), when(has_ref, stats.ref_lse), when(with_full_kl, stats.full_kl),
         vocab, temperature,
-        HAS_REF=has_ref, WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl,
         BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return stats
@@ -208,17 +216,12 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_en
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
-    with_entropy = g_entropy is not None
     with_full_kl = g_full_kl is not None
-    x_args = _view_args(logits)
-    y_args = _view_args(ref_logits) if with_full_kl else x_args
     _stream_backward_kernel[(n,)](
-        *x_args, *y_args, grad, target,
-        lse, g_logp,
-        entropy if with_entropy else lse, g_entropy if with_entropy else lse,
-        ref_lse if with_full_kl else lse, full_kl if with_full_kl else lse,
-        g_full_kl if with_full_kl else lse,
+        *_view_args(logits), *_view_args(ref_logits if with_full_kl else None), grad, target,
+        lse, g_logp, entropy if g_entropy is not None else None, g_entropy,
+        ref_lse if with_full_kl else None, full_kl if with_full_kl else None, g_full_kl,
         vocab, temperature,
-        WITH_ENTROPY=with_entropy, WITH_FULL_KL=with_full_kl, BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
+        BLOCK_V=_block_v(vocab), num_warps=NUM_WARPS,
     )
     return grad

@@ -1,10 +1,9 @@
-"""C++ CPU backend: the row-streaming kernels of ``csrc/`` as torch ops ``torch.ops.kltriton_cpp.*``.
+"""The C++ CPU library (``csrc/``): builds or loads it once, registering ``torch.ops.kltriton_cpp.*``.
 
-Implements the backend interface documented in ``kltriton.kernels`` (``forward`` / ``backward``)
-for CPU tensors in float32 / bfloat16 / float16: one streaming pass per row (online max / sum in
-fp32), SIMD through ATen's ``Vectorized<float>`` for the machine's CPU capability (AVX512 / AVX2 /
-portable) and OpenMP threads over rows (``at::parallel_for``, so ``torch.set_num_threads`` applies).
-Results do not depend on the number of threads.
+Family-agnostic: every family's ``cpp.py`` backend calls ``load()`` and then its own ops. The
+kernels use SIMD through ATen's ``Vectorized<float>`` for the machine's CPU capability (AVX512 /
+AVX2 / portable) and OpenMP threads over rows (``at::parallel_for``, so ``torch.set_num_threads``
+applies); results do not depend on the number of threads.
 
 Loading, in order (``load()``; importing this module compiles nothing):
 
@@ -17,10 +16,11 @@ Loading, in order (``load()``; importing this module compiles nothing):
    (torch version, CPU capability, hash of the sources and flags). Concurrent builds are serialised
    by an ``flock`` on ``<cache>/<key>.lock`` (released by the OS if the builder dies); a stale torch
    ``FileBaton`` left by a killed build is removed under that lock. A finished build is loaded
-   without a compiler next time.
+   without a compiler next time. A build prints one line to stderr when it starts and one when it
+   ends; ``KLTRITON_VERBOSE_BUILD=1`` shows the compiler's own output.
 
 If none works, ``availability()`` is ``(False, reason)`` and one ``warnings.warn`` per process says
-why; the dispatcher then falls back to the PyTorch reference.
+why; automatic backend choice then uses the PyTorch reference.
 """
 from __future__ import annotations
 
@@ -32,25 +32,19 @@ import re
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from kltriton._rows import as_rows3d
-from kltriton.kernels import StreamStats
+from kltriton.kernels.constants import (CPP_HEADERS, CPP_LINK_FLAGS, CPP_SOURCES, CPU_CAPABILITIES,
+                                        cpp_compile_flags)
 
 NAMESPACE = "kltriton_cpp"
-SOURCES = ("stream_ops.cpp", "stream_forward.cpp", "stream_backward.cpp")
-HEADERS = ("stream_common.h",)
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SOURCES, HEADERS, LINK_FLAGS = CPP_SOURCES, CPP_HEADERS, CPP_LINK_FLAGS
 _BUILD_TAG = b"KLTRITON_CPP_BUILD_TAG cap="
-_CAP_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    "DEFAULT": [],
-}
+_CAP_RANK = {cap: rank for rank, cap in enumerate(CPU_CAPABILITIES)}
 _OK_MARKER = "kltriton_build_ok"
 
 
@@ -75,12 +69,7 @@ def cpu_capability() -> str:
 
 def compile_flags(cap: str | None = None) -> list[str]:
     """C++ flags of a build for ``cap`` (the ISA flags never exceed what ATen detected)."""
-    cap = cpu_capability() if cap is None else cap
-    return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}",
-            *_ISA_FLAGS[cap]]
-
-
-LINK_FLAGS = ("-fopenmp",)  # a tuple: torch's cpp_extension.load appends to the lists it is given
+    return cpp_compile_flags(cpu_capability() if cap is None else cap)
 
 
 def _package_dir() -> Path:
@@ -207,6 +196,9 @@ def _jit_build(src: Path) -> str:
         build_dir.mkdir(parents=True, exist_ok=True)
         _clear_stale_baton(build_dir)
         ok.unlink(missing_ok=True)
+        print(f"kltriton: building the C++ CPU kernels ({cap}) in {build_dir}, about a minute, once "
+              f"per torch version and CPU...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         try:
             cpp_extension.load(
                 name=name,
@@ -223,6 +215,8 @@ def _jit_build(src: Path) -> str:
             raise CppUnavailable(f"build failed in {build_dir}: " + "\n".join(tail)) from err
         _state["loads"] += 1
         ok.write_text(" ".join(compile_flags(cap)) + "\n")
+        print(f"kltriton: C++ CPU kernels built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+              flush=True)
         return f"JIT build {so} ({cap})"
 
 
@@ -309,65 +303,3 @@ def _reset_for_tests() -> None:
     """Forget the load outcome (not the library: a registered namespace is never loaded again)."""
     with _lock:
         _state.update(loaded=False, how=None, error=None, warned=False)
-
-
-# ----------------------------------------------------------------------------- backend interface
-
-def _prepare(logits, ref_logits):
-    if logits.device.type != "cpu" or (ref_logits is not None and ref_logits.device.type != "cpu"):
-        raise ValueError("the C++ backend takes CPU tensors only")
-    if ref_logits is not None and ref_logits.dtype != logits.dtype:
-        # Mixed dtypes: run both in float32 (a copy; the kernels take one dtype per call).
-        logits, ref_logits = logits.float(), ref_logits.float()
-    return logits, ref_logits
-
-
-def _supported(logits, ref_logits) -> bool:
-    return logits.dtype in SUPPORTED_DTYPES and (ref_logits is None or ref_logits.dtype in SUPPORTED_DTYPES)
-
-
-def _f32(t):
-    return None if t is None else t.detach().reshape(-1).to(torch.float32).contiguous()
-
-
-def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
-    """See ``kltriton.kernels``. float64 (or other) dtypes are delegated to the reference."""
-    if not _supported(logits, ref_logits):
-        from kltriton import reference
-
-        return reference.forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
-    load()
-    logits, ref_logits = _prepare(logits, ref_logits)
-    x3 = as_rows3d(logits.detach())
-    y3 = as_rows3d(ref_logits.detach()) if ref_logits is not None else None
-    tgt = target.detach().reshape(-1).to(torch.int64).contiguous()
-    outs = torch.ops.kltriton_cpp.stream_forward(x3, y3, tgt, float(temperature), bool(with_entropy),
-                                                 bool(with_full_kl))
-    return StreamStats(*outs)
-
-
-def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
-             g_full_kl, full_kl) -> torch.Tensor:
-    """See ``kltriton.kernels``. Returns a contiguous tensor shaped like ``logits`` in its dtype."""
-    if not _supported(logits, ref_logits):
-        from kltriton import reference
-
-        return reference.backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp,
-                                  g_entropy, entropy, g_full_kl, full_kl)
-    load()
-    out_dtype, shape = logits.dtype, logits.shape
-    if g_full_kl is None:
-        ref_logits = None  # the reference is only read for the full-KL term
-    logits, ref_logits = _prepare(logits, ref_logits)
-    x3 = as_rows3d(logits.detach())
-    y3 = as_rows3d(ref_logits.detach()) if ref_logits is not None else None
-    tgt = target.detach().reshape(-1).to(torch.int64).contiguous()
-    n = tgt.numel()
-    gl = _f32(g_logp) if g_logp is not None else torch.zeros(n, dtype=torch.float32)
-    if g_entropy is not None and entropy is None:
-        raise ValueError("g_entropy needs entropy")
-    grad = torch.ops.kltriton_cpp.stream_backward(
-        x3, y3, tgt, float(temperature), _f32(lse), _f32(ref_lse) if y3 is not None else None, gl,
-        _f32(g_entropy), _f32(entropy) if g_entropy is not None else None, _f32(g_full_kl),
-        _f32(full_kl) if g_full_kl is not None else None)
-    return grad.view(shape) if grad.dtype == out_dtype else grad.to(out_dtype).view(shape)
