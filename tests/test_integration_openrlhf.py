@@ -1,7 +1,9 @@
 """OpenRLHF integration: its Actor scores with kltriton, and kltriton reproduces OpenRLHF's helpers."""
 import importlib.machinery
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +225,11 @@ def test_apply_changes_nothing_until_called_and_undo_restores_everywhere():
     assert not patch.active
     assert (actor_module.log_probs_from_logits, actor_module.compute_entropy) == ORIGINALS
     assert (openrlhf_utils.log_probs_from_logits, openrlhf_utils.compute_entropy) == ORIGINALS
+
+
+def test_importing_the_integration_imports_no_openrlhf():
+    code = ("import sys, kltriton.integrations.openrlhf; "
+            "sys.exit(int(any(m == 'openrlhf' or m.startswith('openrlhf.') for m in sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(kltriton.__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]

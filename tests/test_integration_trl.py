@@ -1,6 +1,8 @@
 """TRL integration: GRPOTrainer trains on a tiny Llama with and without kltriton, same seed, same metrics."""
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +162,11 @@ def test_unmapped_configuration_falls_back_to_trl_loss_with_a_log_line(model_dir
         logs = _train(model_dir, tmp_path / "sapo", loss_type="sapo")
     assert len(logs) == 4
     assert any("TRL's own code" in record.getMessage() for record in caplog.records)
+
+
+def test_importing_the_integration_imports_no_trl():
+    code = ("import sys, kltriton.integrations.trl; "
+            "sys.exit(int(any(m == 'trl' or m.startswith('trl.') for m in sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(kltriton.__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]

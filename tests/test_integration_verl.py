@@ -158,3 +158,20 @@ def test_policy_loss_matches_verl(loss_mode, aggregation):
     (grad,) = torch.autograd.grad(out.loss, logits)
     (expected_grad,) = torch.autograd.grad(expected, logits)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_importing_the_integration_imports_no_verl():
+    code = ("import sys, kltriton.integrations.verl; "
+            "sys.exit(int(any(m == 'verl' or m.startswith('verl.') for m in sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(kltriton.__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_verl_autoapply_module_applies_in_a_fresh_process():
+    """What verl's Ray workers do with VERL_USE_EXTERNAL_MODULES=kltriton.integrations.verl_autoapply."""
+    code = "import verl.utils.torch_functional as F; print(F.logprobs_from_logits.__module__)"
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="kltriton.integrations.verl_autoapply",
+               PYTHONPATH=str(Path(kltriton.__file__).parents[1]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.stdout.strip().endswith("kltriton.integrations.verl"), run.stdout + run.stderr[-2000:]
