@@ -2,7 +2,8 @@
 
 - ``kltriton.integrations.trl.apply()``: TRL's ``GRPOTrainer`` (``pip install kltriton[trl]``).
 - ``kltriton.integrations.verl.apply()``: verl's log-prob, entropy, KL and policy-loss functions
-  (``pip install kltriton[verl]``).
+  (``pip install kltriton[verl]``); ``kltriton.integrations.verl_autoapply`` applies it on import, for
+  verl's Ray workers (``VERL_USE_EXTERNAL_MODULES``).
 - ``kltriton.integrations.openrlhf.apply()``: OpenRLHF's ``openrlhf.models.utils`` functions and its
   ``PolicyLoss`` (``pip install kltriton[openrlhf]``).
 
