@@ -19,17 +19,17 @@ def forward(stream_backend, logits, ref_logits, target, temperature, rows, bound
     out = LossStats(stats.logp, stats.entropy, stats.ref_logp, stats.full_kl)
     if not with_grad:
         return out, logits.new_empty((0, logits.shape[-1]))
-    with torch.enable_grad():
-        logp = stats.logp.detach().requires_grad_()
-        entropy = stats.entropy.detach().requires_grad_()
-        full_kl = stats.full_kl.detach().requires_grad_()
-        ref_logp = stats.ref_logp if ref_logits is not None else rows.ref_logp
-        scored = target >= 0
+    ref_logp = stats.ref_logp if ref_logits is not None else rows.ref_logp
+    scored = target >= 0
+
+    def loss_of(logp, entropy, full_kl):
         token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, rows.old_logp,
                                   rows.advantages, bounds, scored)
-        loss = terms.objective(token, entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
-        g_logp, g_entropy, g_full_kl = torch.autograd.grad(loss, (logp, entropy, full_kl), allow_unused=True,
-                                                           materialize_grads=True)
+        return terms.objective(token, entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
+
+    # torch.func, not torch.autograd: a custom op's kernel runs below the Autograd dispatch key.
+    g_logp, g_entropy, g_full_kl = torch.func.grad(loss_of, argnums=(0, 1, 2))(
+        stats.logp.detach(), stats.entropy.detach(), stats.full_kl.detach())
     grad = kernels.backward(logits, ref_logits if full else None, target, temperature, stats.lse,
                             stats.ref_lse if full else None, g_logp.contiguous(),
                             g_entropy.contiguous() if entropy_grad else None, stats.entropy if entropy_grad else None,
