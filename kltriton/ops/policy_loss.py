@@ -109,7 +109,7 @@ def _backward(saved, grads):
 
 loss_forward = define_op(
     "loss_forward", _forward, outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "grad"),
-    fake=_forward_fake, save=("logits", "backend", "grad"), backward=_backward)
+    fake=_forward_fake, save=("logits", "backend", "grad"), backward=_backward, materialize_grads=False)
 
 
 # --- argument checks ---------------------------------------------------------------------------
