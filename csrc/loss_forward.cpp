@@ -37,8 +37,8 @@ struct Coef {
 
 // d loss_n / d (logp, entropy, full_kl) of one row: the derivative of
 //   w_pg * pg(logp) + w_kl * kl(logp) + w_ent * entropy
-// (the formulas of kltriton/kernels/loss/terms.py, which the reference backend differentiates
-// with autograd; at an exact tie of max / min the unclipped branch takes the whole gradient).
+// (kltriton/kernels/loss/terms.py: `objective`, and `coefficients`, its derivative in PyTorch for
+// the other backends; at an exact tie of max / min the unclipped branch takes the whole gradient).
 inline Coef row_coefficients(const Params& P, const RowIn& in, int64_t n, double lp, double rlp) {
   const double old = in.old ? static_cast<double>(in.old[n]) : lp;  // on-policy: old = logp
   const double A = in.adv[n];

@@ -13,6 +13,7 @@ formulas in PyTorch, and autograd (the logits are read again in the backward).
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from kltriton import dispatch, estimators
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
@@ -100,9 +101,13 @@ def _backward(saved, grads):
     g_loss = grads["loss"]
     if g_loss is None:
         return {}
-    # The gradient was written in the forward; scale it in place (a no-op on the device for a unit
-    # upstream gradient) and hand that buffer to autograd as the logits' gradient.
     grad = saved.grad
+    if is_fake(grad):
+        # Traced by torch.compile (AOTAutograd): an in-place update of a saved forward output cannot be
+        # partitioned, and functionalization would copy the buffer anyway; scale out of place.
+        return {"logits": (grad * g_loss.to(grad.dtype)).view(saved.logits.shape)}
+    # Eager: the gradient was written in the forward; scale it in place (nothing is read or written
+    # when the upstream gradient is 1, decided by the kernel) and hand that buffer to autograd.
     loss_scale_(grad, g_loss, saved.backend)
     return {"logits": grad.view(saved.logits.shape)}
 

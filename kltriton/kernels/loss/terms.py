@@ -1,9 +1,9 @@
 """The per-token policy-loss formulas in PyTorch (``[N]`` work): verl 0.9 ``core_algos`` semantics.
 
-Used for the loss value and the metrics by every path, and differentiated by autograd where a
-backend has no hand-written coefficients (the reference and Triton backends, and ``gspo``). The C++
-kernel's ``row_coefficients`` (``csrc/loss_forward.cpp``) is the hand-derived gradient of
-``objective`` below; the tests hold the two against each other and against float64 oracles.
+Used for the loss value and the metrics by every path, and differentiated by autograd for ``gspo``.
+``coefficients`` is the hand-derived gradient of ``objective`` for the token-level losses (the
+reference and Triton backends use it; the C++ kernel's ``row_coefficients`` computes the same per
+row); the tests hold every backend against float64 oracles differentiated by autograd.
 
 ``bounds`` is the float64 ``[4]`` tensor of the ``loss`` family: ``1 - clip_low``, ``1 + clip_high``,
 dual clip (``inf`` off), KL clamp (``inf`` off).
@@ -111,3 +111,33 @@ def token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv
 def objective(terms: TokenTerms, entropy, w_pg, w_kl, w_ent):
     """``[N]``: ``w_pg * pg + w_kl * kl + w_ent * entropy``; the loss is its sum."""
     return w_pg * terms.pg + w_kl * terms.kl + w_ent * entropy
+
+
+def coefficients(loss_type, estimator, logp, ref_logp, old, adv, w_pg, w_kl, w_ent, bounds):
+    """``(d loss / d logp, d loss / d entropy, d loss / d full_kl)`` per row: the derivative of
+    ``objective`` for ``ppo`` / ``cispo``, written out (``csrc/loss_forward.cpp`` ``row_coefficients``
+    computes the same inside the kernel). At an exact tie of the max / min the unclipped branch takes
+    the whole gradient (autograd would split it; equal where both branches have the same slope)."""
+    bounds = bounds.to(logp.dtype)
+    low, high, dual, kl_clamp = bounds[0], bounds[1], bounds[2], bounds[3]
+    old = logp if old is None else old
+    d = logp - old
+    ratio = torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    clipped = torch.clamp(ratio, low, high)
+    zero = torch.zeros_like(logp)
+    if loss_type == "ppo":
+        pg1, pg2 = -adv * ratio, -adv * clipped
+        g_ratio = torch.where(pg1 >= pg2, -adv, zero)
+        g_ratio = torch.where((adv < 0) & (torch.maximum(pg1, pg2) > -adv * dual), zero, g_ratio)
+        g_logp = w_pg * g_ratio * torch.where(d.abs() <= LOG_RATIO_CLAMP, ratio, zero)
+    else:
+        g_logp = -w_pg * clipped * adv
+    base, straight = split_estimator(estimator)
+    g_full_kl = w_kl if base == "full" else zero
+    if base not in ("", "full"):
+        dk = logp - ref_logp
+        value = estimators.value(base, None, logp, ref_logp, None)
+        slope = {"k1": torch.ones_like(dk), "abs": torch.sign(dk), "k2": dk, "k3": -torch.expm1(-dk)}[base]
+        slope = dk if straight else torch.where(value.abs() > kl_clamp, zero, slope)
+        g_logp = g_logp + w_kl * slope
+    return g_logp, w_ent, g_full_kl
