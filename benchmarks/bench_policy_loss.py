@@ -5,7 +5,8 @@ on CUDA against Liger's Triton GRPO loss when installed.
 
 The fused route writes the logits gradient in the forward: ``fwd_bwd`` moves one read and one write
 of the logits (``bytes_moved``), ``backward`` alone moves nothing for the unit upstream gradient
-(its GB/s column is meaningless). Run alone: ``python -m benchmarks.bench_policy_loss --grid small``.
+(its GB/s column is meaningless; the harness's ``backward`` mode replays the graph with
+``retain_graph=True``, which the fused op refuses by design: see policy_loss). Run alone: ``python -m benchmarks.bench_policy_loss --grid small``.
 """
 import sys
 
