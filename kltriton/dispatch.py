@@ -17,6 +17,7 @@ BACKENDS = ("triton", "cpp", "reference")
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
     "stream": "statistics streamed over rows of logits",
+    "loss": "policy loss with its logits gradient produced in the forward",
 }
 # The automatic choice per device, in order of preference.
 _PREFERENCE = {"cuda": ("triton", "reference"), "cpu": ("cpp", "reference")}
