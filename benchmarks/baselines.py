@@ -4,6 +4,8 @@ Each ``*_logprobs(x, labels)`` takes ``[B, T, V]`` logits and ``[B, T]`` labels 
 ``[B, T]``. The optional libraries (Liger-Kernel, flash-attn) are imported only when
 ``cross_entropy_logprobs`` is called, never at import time.
 """
+import inspect
+
 import torch
 
 from benchmarks.harness import Unavailable
@@ -51,8 +53,10 @@ def cross_entropy_logprobs(library: str, device: str):
         else:
             from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
 
+            ignore = flash_attn_ignore_keyword(cross_entropy_loss)
+
             def loss(x2d, labels1d):
-                return cross_entropy_loss(x2d, labels1d, ignored_index=-100)[0]
+                return cross_entropy_loss(x2d, labels1d, **{ignore: -100})[0]
     except ImportError as err:
         raise Unavailable(f"{library} not installed: {err}") from None
 
@@ -60,6 +64,13 @@ def cross_entropy_logprobs(library: str, device: str):
         return -loss(x.view(-1, x.shape[-1]), labels.reshape(-1)).float().view(labels.shape)
 
     return logprobs
+
+
+def flash_attn_ignore_keyword(cross_entropy_loss) -> str:
+    """flash-attn's ``cross_entropy_loss`` takes ``ignore_index`` since 2.5.8 (April 2024); older releases
+    spelled it ``ignored_index``."""
+    parameters = inspect.signature(cross_entropy_loss).parameters
+    return "ignore_index" if "ignore_index" in parameters else "ignored_index"
 
 
 def reward_from_kl(kl, mask, scores, coef):

@@ -6,9 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import compare, harness
 
-OPS = ("token_logprobs", "token_kl", "fused_kl_reward")
+OPS = ("token_logprobs", "token_kl", "fused_kl_reward", "policy_loss")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -20,12 +20,20 @@ def _parser():
     run.add_argument("--grid", choices=tuple(harness.GRIDS), default="small")
     run.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     run.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON (default benchmarks/results)")
-    compare = sub.add_parser("compare", help="exit 1 when a kltriton row got slower than OLD beyond noise")
-    compare.add_argument("old", type=Path)
-    compare.add_argument("new", type=Path)
-    compare.add_argument("--threshold", type=float, default=0.10, help="allowed median slowdown (default 0.10)")
-    compare.add_argument("--absolute", action="store_true",
-                         help="compare raw times (default: correct kltriton rows for the eager baseline's drift)")
+    gate_help = (f"exit {compare.EXIT_REGRESSION} when a kltriton row got slower than OLD beyond noise, else "
+                 f"{compare.EXIT_UNRELIABLE} when one cannot be judged (a flagged row, a bandwidth drift beyond "
+                 f"--max-drift), else {compare.EXIT_OK}")
+    gate = sub.add_parser("compare", help=gate_help, description=gate_help)
+    gate.add_argument("old", type=Path)
+    gate.add_argument("new", type=Path)
+    gate.add_argument("--threshold", type=float, default=compare.THRESHOLD,
+                      help=f"allowed median slowdown (default {compare.THRESHOLD})")
+    gate.add_argument("--absolute", action="store_true",
+                      help="compare raw times (default: correct kltriton rows for the drop of the bandwidth "
+                           "measured on the same case)")
+    gate.add_argument("--max-drift", type=float, default=compare.MAX_DRIFT,
+                      help="bandwidth change between the runs, either way, beyond which a kltriton row is "
+                           f"unreliable (default {compare.MAX_DRIFT})")
     plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
     plot.add_argument("results", type=Path)
     return parser
@@ -47,6 +55,11 @@ def _run(args) -> int:
     path.write_text(json.dumps(rows, indent=1))
     print()
     print(headline(rows))
+    flagged = [r for r in rows if r["flags"]]
+    if flagged:
+        print(f"\n{len(flagged)} row(s) flagged as implausible (compare will not use them as a baseline; re-run):")
+        for row in flagged:
+            print(harness.describe(row))
     print(f"\nwrote {len(rows)} rows to {path}")
     return 0
 
@@ -72,9 +85,7 @@ def main(argv=None) -> int:
     if args.command == "run":
         return _run(args)
     if args.command == "compare":
-        from benchmarks.compare import compare
-
-        return 1 if compare(args.old, args.new, args.threshold, args.absolute) else 0
+        return compare.compare(args.old, args.new, args.threshold, args.absolute, args.max_drift)
     from benchmarks.plot import plot
 
     for path in plot(args.results):

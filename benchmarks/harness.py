@@ -153,10 +153,15 @@ def _mode_fn(fn, inputs: Inputs, mode: str):
                 return fn(x)
         return forward
     x.requires_grad_(True)
+    # A loss (0-dim output) gets the implicit unit upstream gradient of ``loss.backward()``.
+    upstream = lambda out: inputs.grad_out if out.dim() else None  # noqa: E731
     if mode == "backward":
         out = fn(x)
-        return lambda: torch.autograd.grad(out, x, inputs.grad_out, retain_graph=True)
-    return lambda: torch.autograd.grad(fn(x), x, inputs.grad_out)
+        return lambda: torch.autograd.grad(out, x, upstream(out), retain_graph=True)
+    def fwd_bwd():
+        out = fn(x)
+        return torch.autograd.grad(out, x, upstream(out))
+    return fwd_bwd
 
 
 # --- peak memory --------------------------------------------------------------------------------
@@ -290,12 +295,13 @@ ROW_FIELDS = (
     "op", "kind", "backend", "mode", "tokens", "vocab", "batch", "seq_len", "dtype", "masked_frac",
     "device", "device_name", "torch", "triton", "kltriton", "commit", "timestamp",
     "time_ms_median", "time_ms_min", "time_ms_max", "spread", "repeats",
-    "peak_mem_bytes", "mem_method", "bytes_moved", "gbps", "bw_ref_gbps", "roofline_frac", "note",
+    "peak_mem_bytes", "mem_method", "bytes_moved", "gbps", "bw_ref_gbps", "roofline_frac", "note", "flags",
 )
 
 
 def make_row(env, op, kind, backend, mode, case, **values) -> dict:
     row = dict.fromkeys(ROW_FIELDS)
+    row["flags"] = []
     row.update(env)
     row.update(op=op, kind=kind, backend=backend, mode=mode, batch=case.batch, seq_len=case.seq_len, **asdict(case))
     row.update(values)
@@ -310,6 +316,39 @@ def timing_values(times: list, nbytes: int, bw_ref: float) -> dict:
         "spread": (max(times) - min(times)) / median, "repeats": len(times),
         "bytes_moved": nbytes, "gbps": gbps, "bw_ref_gbps": bw_ref, "roofline_frac": gbps / bw_ref,
     }
+
+
+# A row's slowest call may take at most this many times its fastest. ``compare`` calls a slowdown
+# noise while the new fastest call is within the old slowest, so this bounds the slowdown that a
+# baseline row can hide (one stalled call would otherwise widen it without limit).
+MAX_SPREAD = 3.0
+
+
+def flag_implausible(rows) -> None:
+    """Set every row's ``flags``: why its timings cannot be trusted, ``[]`` when they can.
+
+    A timed row is flagged when its slowest call took more than ``MAX_SPREAD`` times its fastest,
+    or when it is the ``forward`` or ``backward`` of a method whose ``fwd_bwd`` (which does all
+    their work and more) has a median below their fastest call: one of the two was measured
+    during a disturbance (the committed CPU run once had a backward of 190 ms against 21 ms for
+    fwd+bwd, which nobody could reproduce).
+    """
+    timed = [r for r in rows if r["kind"] != "bandwidth" and r["time_ms_median"] is not None]
+    fwd_bwd = {_case_key(r): r for r in timed if r["mode"] == "fwd_bwd"}
+    for row in rows:
+        row["flags"] = []
+    for row in timed:
+        if row["time_ms_max"] > MAX_SPREAD * row["time_ms_min"]:
+            row["flags"].append(f"spread: slowest call {row['time_ms_max'] / row['time_ms_min']:.1f}x the fastest "
+                                f"(limit {MAX_SPREAD:g}x)")
+        both = fwd_bwd.get(_case_key(row))
+        if row["mode"] != "fwd_bwd" and both is not None and row["time_ms_min"] > both["time_ms_median"]:
+            row["flags"].append(f"ordering: fastest {row['mode']} call {row['time_ms_min']:.3g} ms > "
+                                f"fwd_bwd median {both['time_ms_median']:.3g} ms")
+
+
+def _case_key(row) -> tuple:
+    return tuple(row[k] for k in ("op", "backend", "tokens", "vocab", "dtype", "masked_frac"))
 
 
 def _measure(row, factory, inputs, mode, device, grid, rounds, first_round) -> list:
@@ -370,8 +409,9 @@ def _run_cases(op, grid: Grid, device: str, log) -> list:
         gc.collect()
         if device == "cpu":
             _fill_cpu_memory(op, case, case_rows)
+        flag_implausible(case_rows)
         for row in case_rows:
-            log(_describe(row))
+            log(describe(row))
         rows += case_rows
     return rows
 
@@ -421,13 +461,14 @@ def _time_case(env, op, case, inputs, device, grid):
     return bw, case_rows
 
 
-def _describe(row) -> str:
+def describe(row) -> str:
     head = (f"{row['op']:16s} {row['backend']:15s} {row['mode']:8s} N={row['tokens']:<6d} V={row['vocab']:<7d} "
             f"{row['dtype']} masked={row['masked_frac']:.2f}")
     if row["time_ms_median"] is None:
         return f"{head}  -- {row['note']}"
+    flagged = f"  FLAGGED: {'; '.join(row['flags'])}" if row["flags"] else ""
     return (f"{head}  {row['time_ms_median']:9.3f} ms  {row['gbps']:7.1f} GB/s  "
-            f"mem={_mib(row['peak_mem_bytes'])}")
+            f"mem={_mib(row['peak_mem_bytes'])}{flagged}")
 
 
 def _mib(nbytes) -> str:

@@ -42,6 +42,28 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   }
 }
 
+// The coefficients of row n's gradient for upstream gradients gl (log-prob), ge (entropy H) and
+// gk (full KL K); lse / rlse are the row's policy / reference log-sum-exp.
+inline RowCoef row_coef(const Temperatures& temp, int64_t n, float lse, float rlse, float gl, float ge, float H,
+                        float gk, float K) {
+  float hi;
+  double lo;
+  temp.inverse(n, hi, lo);
+  const double inv = static_cast<double>(hi) + lo;
+  RowCoef k;
+  k.hi = hi;
+  k.lo = static_cast<float>(lo);
+  k.lse = lse;
+  k.rlse = rlse;
+  const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
+                   (gk != 0.f ? double(gk) * K : 0.0);
+  k.A = static_cast<float>(inv * A);
+  k.B = static_cast<float>(inv * (double(ge) - double(gk)));
+  k.C = static_cast<float>(inv * gk);
+  k.gl_inv = static_cast<float>(inv * gl);
+  return k;
+}
+
 template <typename T, int MODE>
 void backward_row(const T* x, const T* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.A), vB(k.B), vC(k.C);
@@ -105,21 +127,7 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
       const float H = (MODE & kEntropy) ? in.ent[n] : 0.f;
       const float gk = (MODE & kFullKl) ? in.gk[n] : 0.f;
       const float K = (MODE & kFullKl) ? in.kl[n] : 0.f;
-      float hi;
-      double lo;
-      temp.inverse(n, hi, lo);
-      const double inv = static_cast<double>(hi) + lo;
-      RowCoef k;
-      k.hi = hi;
-      k.lo = static_cast<float>(lo);
-      k.lse = lse;
-      k.rlse = (MODE & kFullKl) ? in.rlse[n] : 0.f;
-      const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
-                       (gk != 0.f ? double(gk) * K : 0.0);
-      k.A = static_cast<float>(inv * A);
-      k.B = static_cast<float>(inv * (double(ge) - double(gk)));
-      k.C = static_cast<float>(inv * gk);
-      k.gl_inv = static_cast<float>(inv * gl);
+      const RowCoef k = row_coef(temp, n, lse, (MODE & kFullKl) ? in.rlse[n] : 0.f, gl, ge, H, gk, K);
       backward_row<T, MODE>(X.row<T>(n), (MODE & kFullKl) ? Y.row<T>(n) : nullptr, g, V, tg, k);
     }
   });
@@ -150,6 +158,7 @@ at::Tensor as_f32_vec(const std::optional<at::Tensor>& t, int64_t N, const char*
 
 }  // namespace
 
+#ifndef KLTRITON_ROW_KERNELS_ONLY
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                            const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
@@ -201,5 +210,7 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
   });
   return grad;
 }
+
+#endif  // KLTRITON_ROW_KERNELS_ONLY
 
 }  // namespace kltriton_cpp

@@ -237,4 +237,14 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
                            const std::optional<at::Tensor>& g_full_kl,
                            const std::optional<at::Tensor>& full_kl);
 
+std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                     const at::Tensor& target, const at::Tensor& temperature,
+                                     const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
+                                     const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
+                                     const std::optional<at::Tensor>& ref_logp, const at::Tensor& bounds,
+                                     int64_t loss_type, int64_t estimator, bool straight_through,
+                                     bool entropy_grad, bool with_grad);
+
+void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
+
 }  // namespace kltriton_cpp

@@ -242,6 +242,7 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
 
 }  // namespace
 
+#ifndef KLTRITON_ROW_KERNELS_ONLY
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
                                        const at::Tensor& target, const at::Tensor& temperature,
@@ -279,5 +280,7 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
   }
   return {logp, lse, ent, rlogp, rlse, fkl};
 }
+
+#endif  // KLTRITON_ROW_KERNELS_ONLY
 
 }  // namespace kltriton_cpp

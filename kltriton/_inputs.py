@@ -132,6 +132,11 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     """Validate the label-side arguments against ``logits`` and build the flat ``target``.
     Labels must lie in ``[0, vocab)``, ``vocab`` defaulting to ``logits.shape[-1]`` (the global
     vocabulary of vocab-parallel logits is larger than their last dim)."""
+    if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == logits.dim() - 1 >= 1
+            and labels.shape[:-1] == logits.shape[:-2] and labels.shape[-1] == logits.shape[-2] + 1):
+        raise ValueError(f"labels {tuple(labels.shape)} are one longer than the logits' positions "
+                         f"{tuple(logits.shape[:-1])}: pass the unsliced logits with shift_labels=True, or sliced "
+                         f"logits with labels[:, 1:] and shift_labels=False")
     _check_same_leading("labels", labels, logits, integer=True)
     if mask is not None:
         _check_same_leading("mask", mask, logits, boolean=True)

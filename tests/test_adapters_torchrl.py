@@ -1,5 +1,15 @@
-"""kltriton.adapters.torchrl against the real torchrl classes (where they run) and the seed formulas."""
+"""kltriton.adapters.torchrl against the real torchrl classes and the seed formulas.
+
+``TestTorchrlValidation`` ports the cases of torchrl's ``test/llm/test_wrapper.py::TestKLTransforms``
+(torchrl v0.13/v0.14: ``test_retrieve_kl_input_modes``, ``test_retrieve_kl_assistant_only_validation``,
+``test_retrieve_kl_pad_output_consistency``, ``test_kl_computation_transform``) onto a tiny Llama with
+an in-memory tokenizer instead of Qwen2.5 from the Hub, and checks the values against torchrl's too.
+The model builders here are also used by ``test_torchrl_ray.py`` (as model factories for the actor).
+"""
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,27 +20,122 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tensordict import TensorDict, lazy_stack, set_list_to_stack  # noqa: E402
 from torch.nn.utils.rnn import pad_sequence  # noqa: E402
+from torchrl.data.llm import History  # noqa: E402
 from torchrl.data.llm.utils import AdaptiveKLController as RealAdaptive  # noqa: E402
 from torchrl.envs.llm.transforms import kl as real  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
+from torchrl.modules.llm.policies import ChatHistory  # noqa: E402
 
 import kltriton.adapters.torchrl as ours  # noqa: E402
 
-V = 50
 LENGTHS = [5, 8]
 GEN, REF = ("log_probs", "full"), ("ref_log_probs", "full")
+SPECIAL = ["<pad>", "<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant"]
+WORDS = SPECIAL + [f"w{i}" for i in range(56)]
+V = len(WORDS)
+# A ChatML-like template whose {% generation %} block gives Hugging Face's assistant-token mask.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }} <|im_end|>{% endif %} {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+CHATS = [
+    [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"},
+     {"role": "assistant", "content": "w6 w7"}],
+    [{"role": "system", "content": "w1"}, {"role": "user", "content": "w8"},
+     {"role": "assistant", "content": "w9 w10 w11 w12"}],
+]
 
 
-@pytest.fixture(autouse=True)
-def _lists_stack():
-    with set_list_to_stack(True), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+def tiny_tokenizer():
+    """A word-level tokenizer built in memory, with a chat template that marks assistant tokens."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                     unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(seed: int):
+    """A 1-layer Llama with random weights fixed by ``seed`` (the same on every process)."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
+                                   bos_token_id=2, eos_token_id=2, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def tiny_wrapper(seed, log_probs_key, input_mode, pad_output, **kwargs):
+    """torchrl's ``TransformersWrapper`` scoring tokens on ``tiny_llama(seed)``."""
+    return TransformersWrapper(tiny_llama(seed), tokenizer=tiny_tokenizer(), input_mode=input_mode, generate=False,
+                               return_log_probs=True, pad_output=pad_output, log_probs_key=log_probs_key, **kwargs)
+
+
+def model_pair(input_mode, pad_output):
+    return (tiny_wrapper(0, "log_probs", input_mode, pad_output),
+            tiny_wrapper(1, "ref_log_probs", input_mode, pad_output))
+
+
+def token_data(pad_output, reward=True):
+    """Two samples of 5 and 8 tokens: left-padded ``[2, 8]`` tensors, or a lazy stack of per-sample ones."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, V, (n,), generator=gen) for n in LENGTHS]
+    assistant = [torch.arange(n) >= 2 for n in LENGTHS]
+    if pad_output:
+        pad = lambda x, v: pad_sequence(x, batch_first=True, padding_value=v, padding_side="left")  # noqa: E731
+        full = pad(tokens, 0)
+        td = TensorDict({("tokens", "full"): full, ("masks", "all_attention_mask"): full != 0,
+                         ("masks", "all_assistant_mask"): pad(assistant, False)}, batch_size=(2,))
+        if reward:
+            td["next"] = TensorDict({"reward": torch.ones(2, max(LENGTHS), 1)}, batch_size=(2,))
+        return td
+    return lazy_stack([TensorDict({("tokens", "full"): t,
+                                   ("masks", "all_attention_mask"): torch.ones_like(t, dtype=torch.bool),
+                                   ("masks", "all_assistant_mask"): a,
+                                   **({"next": TensorDict({"reward": torch.ones(len(t), 1)})} if reward else {})})
+                       for t, a in zip(tokens, assistant)])
+
+
+def history_data(pad_output, reward=True):
+    """The two chats of ``CHATS`` as ``("history", "full")``, with a ``[1, 1]`` reward per sample."""
+    td = TensorDict(history=ChatHistory(full=History.from_chats(CHATS)), batch_size=(2,))
+    if reward:
+        td["next"] = TensorDict({"reward": torch.full((2, 1, 1), 0.5)}, batch_size=(2,))
+    return td if pad_output else td.to_lazystack(0)
 
 
 def nested(items):
     return torch.nested.as_nested_tensor(items, layout=torch.strided)
 
+
+def as_rows(td, key):
+    value = td.get(key, as_list=True)
+    return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+
+
+def assert_same_rows(a_td, b_td, keys, atol=2e-6, rtol=1e-5):
+    for key in keys:
+        a, b = as_rows(a_td, key), as_rows(b_td, key)
+        assert len(a) == len(b), key
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y.detach().to(x.dtype), atol=atol, rtol=rtol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _lists_stack():
+    with set_list_to_stack(True), warnings.catch_warnings():
+        # torchrl's own classes deprecate arguments and build nested tensors: not what is tested here
+        warnings.filterwarnings("ignore", module="torchrl")
+        warnings.filterwarnings("ignore", message=".*nested tensors is in prototype stage")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# KLComputation
+# ---------------------------------------------------------------------------------------------
 
 def logprob_data(layout, with_reward=True):
     torch.manual_seed(0)
@@ -45,11 +150,6 @@ def logprob_data(layout, with_reward=True):
     if with_reward:
         td["reward"] = pack(reward)
     return td, gen, ref, reward
-
-
-def as_rows(td, key):
-    value = td.get(key, as_list=True)
-    return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
 
 
 @pytest.mark.parametrize("layout", ["padded", "nested", "list"])
@@ -71,81 +171,254 @@ def test_kl_computation(layout, with_reward):
     except RuntimeError:
         assert layout == "nested" or (layout == "padded" and with_reward)
         return
-    for key in ["kl_penalty"] + (["reward"] if with_reward else []):
-        for a, b in zip(as_rows(out, key), as_rows(expected, key)):
-            torch.testing.assert_close(a, b)
+    assert_same_rows(out, expected, ["kl_penalty"] + (["reward"] if with_reward else []), atol=0, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def wrappers():
-    vocab = {f"t{i}": i for i in range(V)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="t1"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
-                                   bos_token_id=2, eos_token_id=2, pad_token_id=0)
-    gen, ref = transformers.LlamaForCausalLM(cfg).eval(), transformers.LlamaForCausalLM(cfg).eval()
-
-    def make(pad_output):
-        kw = dict(tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True, pad_output=pad_output)
-        return (TransformersWrapper(gen, log_probs_key="log_probs", **kw),
-                TransformersWrapper(ref, log_probs_key="ref_log_probs", **kw))
-    return make
+@pytest.mark.parametrize("estimator", ["k2", "k3", "abs"])
+def test_kl_computation_estimator_and_clamp(estimator):
+    td, gen, ref, _ = logprob_data("list", with_reward=False)
+    out = ours.KLComputation(GEN, REF, add_to_reward=False, estimator=estimator, kl_clamp=0.1)(td)
+    for i in range(len(LENGTHS)):
+        d = gen[i] - ref[i]
+        value = {"k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1, "abs": d.abs()}[estimator]
+        torch.testing.assert_close(as_rows(out, "kl_penalty")[i], value.clamp(-0.1, 0.1))
 
 
-def token_data(pad_output):
-    torch.manual_seed(1)
-    tokens = [torch.randint(3, V, (n,)) for n in LENGTHS]
-    assistant = [torch.arange(n) >= 2 for n in LENGTHS]
+def test_kl_computation_errors():
+    with pytest.raises(ValueError, match="needs both models' logits"):
+        ours.KLComputation(estimator="full")
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        ours.KLComputation(estimator="k4")
+    with pytest.raises(TypeError, match="kl_clamp"):
+        ours.KLComputation(kl_clamp="1")
+    with pytest.raises(ValueError, match="kl_clamp"):
+        ours.KLComputation(kl_clamp=0.0)
+    with pytest.raises(ValueError, match="padding_side"):
+        ours.KLComputation(padding_side="top")
+    td = TensorDict({GEN: torch.zeros(2, 4), REF: torch.zeros(2, 5)}, batch_size=(2,))
+    with pytest.raises(ValueError, match="Sample 0 has different shapes"):
+        ours.KLComputation(GEN, REF, add_to_reward=False)(td)
+    td = TensorDict({GEN: torch.zeros(2, 4), REF: torch.zeros(2, 4), "reward": torch.zeros(2, 4)}, batch_size=(2,))
+    with pytest.raises(ValueError, match="one more"):
+        ours.KLComputation(GEN, REF)(td)
+
+
+# ---------------------------------------------------------------------------------------------
+# RetrieveKL
+# ---------------------------------------------------------------------------------------------
+
+KEYS = [GEN, REF, "kl_penalty", "reward"]
+
+
+@pytest.mark.parametrize("pad_output", [False, True])
+def test_retrieve_kl_tokens_matches_torchrl(pad_output):
+    """input_mode='tokens': the logits path (one token_kl kernel) equals torchrl's RetrieveKL and the
+    models' own log-probs path, and uses no private torchrl API (no warning, layout kept)."""
+    gen, ref = model_pair("tokens", pad_output)
+    data = token_data(pad_output)
+    before = data.clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*models' log-probs")  # the logits path must not fall back
+        fused = ours.RetrieveKL(gen, ref, assistant_only=False, coeff=0.5)(data)
+    assert (data.exclude("next") == before.exclude("next")).all()  # the caller's inputs are untouched
+    unfused = ours.RetrieveKL(gen, ref, assistant_only=False, coeff=0.5, fused=False)(token_data(pad_output))
+    assert_same_rows(fused["next"], unfused["next"], KEYS)
+    # torch 2.13 makes torchrl's KLComputation fail on padded rewards: compare those where it runs
+    expected = real.RetrieveKL(gen, ref, assistant_only=False, coeff=0.5)(token_data(pad_output, reward=not pad_output))
+    assert_same_rows(fused["next"], expected.get("next", expected), KEYS[:3] if pad_output else KEYS)
     if pad_output:
-        pad = lambda x, v: pad_sequence(x, batch_first=True, padding_value=v, padding_side="left")  # noqa: E731
-        full = pad(tokens, 0)
-        td = TensorDict({("tokens", "full"): full, ("masks", "all_attention_mask"): full != 0,
-                         ("masks", "all_assistant_mask"): pad(assistant, False)}, batch_size=(2,))
-        td["next"] = TensorDict({"reward": torch.ones(2, max(LENGTHS), 1)}, batch_size=(2,))
-        return td
-    return lazy_stack([TensorDict({("tokens", "full"): t, ("masks", "all_attention_mask"): torch.ones_like(t, dtype=torch.bool),
-                                   ("masks", "all_assistant_mask"): a, "next": TensorDict({"reward": torch.ones(len(t), 1)})})
-                       for t, a in zip(tokens, assistant)])
-
-
-def rows_of(td, key, pad_output):
-    """Per-sample rows with the left padding removed."""
-    return [row[-n:] if pad_output else row for row, n in zip(as_rows(td["next"], key), LENGTHS)]
+        assert not fused["next"].get("kl_penalty").is_nested
+    assert not any(row.requires_grad for row in as_rows(fused["next"], GEN))  # detach=True
 
 
 @pytest.mark.parametrize("pad_output", [False, True])
 @pytest.mark.parametrize("assistant_only", [False, True])
-def test_retrieve_kl(wrappers, pad_output, assistant_only):
-    gen, ref = wrappers(pad_output)
-    fused = ours.RetrieveKL(gen, ref, assistant_only=assistant_only, coeff=0.5)(token_data(pad_output))
-    unfused = ours.RetrieveKL(gen, ref, assistant_only=assistant_only, coeff=0.5, fused=False)(token_data(pad_output))
-    keys = [GEN, REF, "kl_penalty", "reward"]
-    for key in keys:  # the kernel path from logits equals the models' own log-probs path
-        for a, b in zip(rows_of(fused, key, pad_output), rows_of(unfused, key, pad_output)):
-            torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
-    assert not pad_output or not fused["next"].get("kl_penalty").is_nested
-    if assistant_only:
-        for row in rows_of(fused, "kl_penalty", pad_output):
-            assert row[:2].eq(0).all()
-    # torchrl requires input_mode="history" for assistant_only and fails on padded rewards: compare where it runs
-    if pad_output or assistant_only:
-        return
-    expected = real.RetrieveKL(gen, ref, assistant_only=False, coeff=0.5)(token_data(pad_output))
-    for key in keys:
-        for a, b in zip(rows_of(fused, key, pad_output), rows_of(expected, key, pad_output)):
-            torch.testing.assert_close(a, b.detach(), atol=2e-6, rtol=1e-5)
+def test_retrieve_kl_history_matches_torchrl(pad_output, assistant_only):
+    """input_mode='history': the models tokenize themselves, so their log-probs are used (one warning)."""
+    gen, ref = model_pair("history", pad_output)
+    transform = ours.RetrieveKL(gen, ref, assistant_only=assistant_only, coeff=0.5)
+    with pytest.warns(UserWarning, match="using the models' log-probs"):
+        out = transform(history_data(pad_output))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*models' log-probs")  # once per transform
+        transform(history_data(pad_output))
+    expected = real.RetrieveKL(gen, ref, assistant_only=assistant_only, coeff=0.5)(
+        history_data(pad_output, reward=not pad_output))  # see test_retrieve_kl_tokens_matches_torchrl
+    assert_same_rows(out["next"], expected.get("next", expected), KEYS[:3] if pad_output else KEYS)
+    if assistant_only:  # the first tokens are the system prompt: never scored
+        assert all(row[:4].eq(0).all() for row in as_rows(out["next"], "kl_penalty"))
 
+
+def test_retrieve_kl_estimator_clamp_and_full():
+    gen, ref = model_pair("tokens", True)
+    base = ours.RetrieveKL(gen, ref, assistant_only=False)(token_data(True))["next"]
+    out = ours.RetrieveKL(gen, ref, assistant_only=False, estimator="k3", kl_clamp=0.05)(token_data(True))["next"]
+    d = base.get(GEN) - base.get(REF)
+    mask = base.get(GEN) != 0
+    torch.testing.assert_close(out.get("kl_penalty"), ((torch.exp(-d) + d - 1) * mask).clamp(-0.05, 0.05),
+                               atol=2e-6, rtol=1e-5)
+    full = ours.RetrieveKL(gen, ref, assistant_only=False, estimator="full")(token_data(True))["next"]
+    assert (full.get("kl_penalty")[mask] > 0).all() and full.get("kl_penalty")[~mask].eq(0).all()
+
+
+def test_retrieve_kl_arguments_are_used_or_rejected():
+    gen, ref = model_pair("tokens", True)
+    with pytest.raises(ValueError, match="history_key"):
+        ours.RetrieveKL(gen, ref, assistant_only=False, history_key="chat")
+    with pytest.raises(ValueError, match="tokenizer_kwargs"):
+        ours.RetrieveKL(gen, ref, assistant_only=False, tokenizer_kwargs={"padding": True})
+    other = tiny_tokenizer()
+    ours.RetrieveKL(gen, ref, assistant_only=False, tokenizer=other)  # same vocabulary: the models' tokenizer
+    other.add_tokens(["extra"])
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        ours.RetrieveKL(gen, ref, assistant_only=False, tokenizer=other)
+    with pytest.raises(ValueError, match="padding_side"):
+        ours.RetrieveKL(gen, ref, assistant_only=False, padding_side="middle")
+    with pytest.raises(TypeError, match="fused"):
+        ours.RetrieveKL(gen, ref, assistant_only=False, fused=1)
+    with pytest.raises(TypeError, match="unexpected keyword"):  # torchrl forwards unknown kwargs to RetrieveLogProb
+        ours.RetrieveKL(gen, ref, assistant_only=False, not_an_argument=1)
+    with pytest.raises(ValueError, match="Cannot provide both 'ref_model' and 'ref_model_factory'"):
+        ours.RetrieveKL(gen, ref, ref_model_factory=lambda: ref, assistant_only=False)
+    with pytest.raises(ValueError, match="different `log_prob_key`"):
+        ours.RetrieveKL(gen, gen, assistant_only=False)
+    with pytest.raises(ValueError, match="gen_model cannot be None"):
+        ours.RetrieveKL(None, ref, assistant_only=False)
+
+
+def test_retrieve_kl_model_factories():
+    gen, ref = model_pair("tokens", True)
+    out = ours.RetrieveKL(gen_model_factory=lambda: gen, ref_model_factory=lambda: ref,
+                          assistant_only=False)(token_data(True))
+    expected = ours.RetrieveKL(gen, ref, assistant_only=False)(token_data(True))
+    assert_same_rows(out["next"], expected["next"], KEYS, atol=0, rtol=0)
+
+
+class TestTorchrlValidation:
+    """Ported from torchrl's test/llm/test_wrapper.py::TestKLTransforms (see the module docstring)."""
+
+    @pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "unpadded"])
+    @pytest.mark.parametrize("assistant_only", [True, False], ids=["assistant_only", "all_tokens"])
+    @pytest.mark.parametrize("input_mode", ["history", "text", "tokens"])
+    def test_retrieve_kl_input_modes(self, pad_output, assistant_only, input_mode):
+        if assistant_only and input_mode != "history":
+            pytest.skip("assistant_only=True requires input_mode='history'")
+        if input_mode == "history":
+            data = history_data(True, reward=False)
+        elif input_mode == "text":
+            data = TensorDict(text={"full": ["w1 w2 w3", "w4 w5 w6 w7 w8"]}, batch_size=(2,))
+        else:
+            data = token_data(True, reward=False).exclude(("masks", "all_assistant_mask"))
+        gen = tiny_wrapper(0, "gen_log_probs", input_mode, pad_output)
+        ref = tiny_wrapper(1, "ref_log_probs", input_mode, pad_output)
+        kwargs = dict(gen_model=gen, ref_model=ref, assistant_only=assistant_only, tokenizer=gen.tokenizer,
+                      gen_log_probs_full_key=("gen_log_probs", "full"), ref_log_probs_full_key=REF)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the log-probs path for history/text models
+            result = ours.RetrieveKL(**kwargs)(data.to_lazystack(0))
+        assert ("gen_log_probs", "full") in result and REF in result and "kl_penalty" in result
+        if pad_output:
+            kl = result.get("kl_penalty")
+            assert isinstance(kl, torch.Tensor) and kl.shape[0] == 2
+        else:
+            kl = result.get("kl_penalty", as_list=True)
+            assert isinstance(kl, list) and len(kl) == 2
+        expected = real.RetrieveKL(**kwargs)(data.to_lazystack(0))
+        assert_same_rows(result, expected, [("gen_log_probs", "full"), REF, "kl_penalty"])
+
+    @pytest.mark.parametrize("transform", [ours.RetrieveKL, real.RetrieveKL])
+    def test_retrieve_kl_assistant_only_validation(self, transform):
+        gen = tiny_wrapper(0, "gen_log_probs", "text", True)
+        ref = tiny_wrapper(1, "ref_log_probs", "text", True)
+        with pytest.raises(ValueError, match="The model must have `input_mode='history'` when"):
+            transform(gen_model=gen, ref_model=ref, assistant_only=True, tokenizer=gen.tokenizer)
+
+    @pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "unpadded"])
+    @pytest.mark.parametrize("transform", [ours.RetrieveKL, real.RetrieveKL])
+    def test_retrieve_kl_pad_output_consistency(self, pad_output, transform):
+        gen = tiny_wrapper(0, "gen_log_probs", "history", pad_output)
+        ref = tiny_wrapper(1, "ref_log_probs", "history", not pad_output)
+        with pytest.raises(ValueError, match="pad_output mismatch: gen_model.pad_output="):
+            transform(gen_model=gen, ref_model=ref, assistant_only=False, tokenizer=gen.tokenizer)
+
+    @pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "unpadded"])
+    def test_kl_computation_transform(self, pad_output):
+        gen = tiny_wrapper(0, "gen_log_probs", "history", pad_output)
+        ref = tiny_wrapper(1, "ref_log_probs", "history", pad_output)
+        data = history_data(pad_output, reward=False).to_lazystack(0)
+
+        def run(transform_class):
+            gen_result, ref_result = gen(data.copy()), ref(data.copy())
+            next_td = TensorDict(batch_size=(2,)).to_lazystack(0)
+            next_td.update(gen_result, keys_to_update=[("gen_log_probs", "full")])
+            next_td.update(ref_result, keys_to_update=[REF])
+            next_td.update({"reward": torch.arange(2.0).view(2, 1, 1)})
+            transform = transform_class(gen_log_probs_full_key=("gen_log_probs", "full"), ref_log_probs_full_key=REF,
+                                        kl_key="kl", add_to_reward=True, coeff=1.0)
+            return transform(data.copy().set("next", next_td))["next"]
+
+        result = run(ours.KLComputation)
+        assert "kl" in result and "reward" in result
+        kl = result.get("kl", as_list=True)
+        assert isinstance(kl, list) and len(kl) == 2
+        assert_same_rows(result, run(real.KLComputation), ["kl", "reward"])
+
+
+# ---------------------------------------------------------------------------------------------
+# from_collector
+# ---------------------------------------------------------------------------------------------
+
+def test_retrieve_kl_from_collector():
+    """``gen_model="from_collector"``: built on first use from a torchrl collector's policy (a tiny Llama
+    generating in a tokens-mode ChatEnv), then equal to a RetrieveKL given that model directly."""
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.envs.llm import ChatEnv
+    from torchrl.envs.llm.transforms import DataLoadingPrimer
+
+    tokenizer = tiny_tokenizer()
+    ref = tiny_wrapper(1, "ref_log_probs", "tokens", True)
+    policy = TransformersWrapper(tiny_llama(0), tokenizer=tokenizer, input_mode="tokens", generate=True,
+                                 return_log_probs=True, pad_output=True,
+                                 generate_kwargs={"max_new_tokens": 3, "do_sample": False})
+    env = ChatEnv(batch_size=(1,), input_mode="tokens", tokenizer=tokenizer, system_prompt="w1 w2")
+    env = env.append_transform(DataLoadingPrimer(dataloader=iter([{"query": ["w3 w4"]}] * 8), batch_size=(1,)))
+    transform = ours.RetrieveKL("from_collector", ref, assistant_only=False)
+    env = env.append_transform(transform)
+    assert transform.gen_model is None
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batch = next(iter(collector))
+    gen = transform.gen_model
+    assert gen.generate is False and gen.model is policy.model
+    batch = batch.reshape(-1)
+    direct = ours.RetrieveKL(gen, ref, assistant_only=False)(batch.exclude("next").copy())
+    assert_same_rows(batch["next"], direct, [GEN, REF, "kl_penalty"])
+    assert as_rows(batch["next"], "kl_penalty")[0].abs().sum() > 0
+    collector.shutdown()
+
+
+def test_from_collector_needs_a_collector():
+    ref = tiny_wrapper(1, "ref_log_probs", "tokens", True)
+    with pytest.raises(ValueError, match="container is not set"):
+        ours.RetrieveKL("from_collector", ref, assistant_only=False)(token_data(True))
+
+
+# ---------------------------------------------------------------------------------------------
+# KLRewardTransform
+# ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pad_output", [False, True])
-def test_kl_reward_transform(wrappers, pad_output):
-    gen, ref = wrappers(pad_output)
-    data = token_data(pad_output)
-    data = gen(data)  # the current log-probs at ("log_probs", "full")
-    out = ours.KLRewardTransform(ref, coef=0.2, assistant_only=True)(data.copy())
-    ref_lp = ref(token_data(pad_output)).get(("ref_log_probs", "full"), as_list=True)
+@pytest.mark.parametrize("fused", [True, False])
+def test_kl_reward_transform(pad_output, fused):
+    gen, ref = model_pair("tokens", pad_output)
+    data = gen(token_data(pad_output))  # the current log-probs at ("log_probs", "full")
+    before = data.clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*models' log-probs")  # no fallback from the logits path
+        out = ours.KLRewardTransform(ref, coef=0.2, assistant_only=True, fused=fused)(data.copy())
+    assert (data.exclude("next") == before.exclude("next")).all()
+    ref_lp = ref(token_data(pad_output)).get(REF, as_list=True)
     gen_lp = data.get(GEN, as_list=True)
     assistant = data.get(("masks", "all_assistant_mask"), as_list=True)
     for i, n in enumerate(LENGTHS):  # the seed formula on assistant tokens
@@ -153,9 +426,71 @@ def test_kl_reward_transform(wrappers, pad_output):
         kl = ((cut(gen_lp[i]) - cut(ref_lp[i])) * cut(assistant[i])).detach()
         torch.testing.assert_close(cut(as_rows(out["next"], "kl_penalty")[i])[:, 0], kl, atol=2e-6, rtol=1e-5)
         torch.testing.assert_close(cut(as_rows(out["next"], "reward")[i])[:, 0], 1 - 0.2 * kl, atol=2e-6, rtol=1e-5)
-        torch.testing.assert_close(cut(as_rows(out["next"], "ref_log_prob")[i])[:, 0],
+        torch.testing.assert_close(cut(as_rows(out["next"], "ref_log_probs")[i])[:, 0],
                                    (cut(ref_lp[i]) * cut(assistant[i])).detach(), atol=2e-6, rtol=1e-5)
+    layout = out["next"].get("kl_penalty", as_list=True)
+    assert isinstance(layout, list) or layout.is_nested != pad_output
 
+
+def test_kl_reward_transform_prompt_mask_and_clamp():
+    """Without an assistant mask, torchrl scores the tokens after ("tokens", "prompt"); kl_clamp clamps."""
+    gen, ref = model_pair("tokens", True)
+    data = gen(token_data(True)).exclude(("masks", "all_assistant_mask"))
+    data["tokens", "prompt"] = data["tokens", "full"][:, :5]
+    out = ours.KLRewardTransform(ref, coef=0.2)(data.copy())["next"]
+    kl = (data.get(GEN) - ref(data.copy()).get(REF)).detach()
+    kl[:, :5] = 0
+    torch.testing.assert_close(out.get("kl_penalty")[..., 0], kl, atol=2e-6, rtol=1e-5)
+    clamped = ours.KLRewardTransform(ref, coef=0.2, kl_clamp=1e-3)(data.copy())["next"]
+    torch.testing.assert_close(clamped.get("kl_penalty"), out.get("kl_penalty").clamp(-1e-3, 1e-3))
+    torch.testing.assert_close(clamped.get("reward"), 1 - 0.2 * clamped.get("kl_penalty"))
+
+
+def test_kl_reward_transform_errors():
+    ref = tiny_wrapper(1, "ref_log_probs", "history", True)
+    for transform in (ours.KLRewardTransform, real.KLRewardTransform):
+        with pytest.raises(ValueError, match="configured to use tokens as input"):
+            transform(ref)
+        with pytest.raises(ValueError, match="Must provide exactly one of"):
+            transform()
+    ref = tiny_wrapper(1, "ref_log_probs", "tokens", True)
+    with pytest.raises(ValueError, match="Only one in_key/out_key"):
+        ours.KLRewardTransform(ref, in_keys=["a", "b"])
+    with pytest.raises(ValueError, match="estimator='full'"):
+        ours.KLRewardTransform(ref, estimator="full")
+    with pytest.raises(TypeError, match="kl_clamp"):
+        ours.KLRewardTransform(ref, kl_clamp=[1.0])
+    with pytest.raises(RuntimeError, match="not found"):
+        ours.KLRewardTransform(ref)(TensorDict(next=TensorDict(batch_size=(2,)), batch_size=(2,)))
+
+
+# ---------------------------------------------------------------------------------------------
+# No per-call warning from PyTorch's nested tensors (issue 13, item 6)
+# ---------------------------------------------------------------------------------------------
+
+def test_no_nested_tensor_prototype_warning():
+    """PyTorch warns once per process: check a fresh one, where torchrl's own call does warn."""
+    code = (
+        "import warnings, torch\n"
+        "from tensordict import TensorDict, lazy_stack\n"
+        "import kltriton.adapters.torchrl as ours\n"
+        "gen = [-torch.rand(n) for n in (3, 5)]\n"
+        "td = lazy_stack([TensorDict({('a', 'full'): g, ('b', 'full'): g / 2, 'reward': torch.ones(len(g), 1)}) "
+        "for g in gen])\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    out = ours.KLComputation(('a', 'full'), ('b', 'full'))(td)\n"
+        "assert out.get('kl_penalty', as_list=True)[1].shape == (5,)\n"
+        "print(sum('prototype stage' in str(w.message) for w in caught))\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.strip() == "0"
+
+
+# ---------------------------------------------------------------------------------------------
+# Controllers
+# ---------------------------------------------------------------------------------------------
 
 def test_adaptive_kl_controller_matches_torchrl():
     class Holder:
