@@ -174,6 +174,31 @@ def case_fused_kl_reward_packed_full(shard, backend, dtype):
     shard.check_grad(part, full, full_logits, 0.9, "grad", mixed=True)
 
 
+def _policy_loss_case(loss_type, kl_estimator, aggregation):
+    def case(shard, backend, dtype):
+        """Global loss on every rank and each shard's gradient, with KL and entropy terms."""
+        gen = torch.Generator().manual_seed(8)
+        full_logits = _logits((3, 7, shard.vocab), dtype, gen)
+        ref_logits = (full_logits.float() + torch.randn(full_logits.shape, generator=gen)).to(dtype)
+        labels = torch.randint(0, shard.vocab, (3, 7), generator=gen)
+        mask = torch.rand(3, 7, generator=gen) > 0.2
+        old = kltriton.token_logprobs(full_logits, labels, mask=mask) + 0.1 * torch.randn(3, 7, generator=gen)
+        advantages = torch.randn(3, generator=gen)
+
+        def call(logits, ref, sharding):
+            out = kltriton.policy_loss(logits, labels, advantages, old_logprobs=old, ref=ref, loss_type=loss_type,
+                                       kl_coef=0.05, kl_estimator=kl_estimator, entropy_coef=0.01,
+                                       aggregation=aggregation, mask=mask, temperature=0.8, backend=backend,
+                                       **sharding)
+            return (out.loss, out.logprobs, out.entropy, out.kl, out.ratio, out.metrics["clipfrac"])
+
+        expected, actual, full, part = _run_both(shard, lambda: ref_logits, call, full_logits)
+        for name, e, a in zip(("loss", "logprobs", "entropy", "kl", "ratio", "clipfrac"), expected, actual):
+            shard.check(a, e, full_logits, 0.8, f"{loss_type} {name}", scale=1.0 + e.abs().max().item())
+        shard.check_grad(part, full, full_logits, 0.8, f"{loss_type} grad", mixed=True)
+    return case
+
+
 CASES = {
     "logprobs_padded_shifted": case_logprobs_padded_shifted,
     "logprobs_packed": case_logprobs_packed,
@@ -181,6 +206,8 @@ CASES = {
        for form in ("logits",)},
     "kl_k3_ref_logprobs": _kl_case("k3", "logprobs"),
     "fused_kl_reward_packed_full": case_fused_kl_reward_packed_full,
+    "policy_loss_ppo_full": _policy_loss_case("ppo", "full", "token-mean"),
+    "policy_loss_gspo_k3": _policy_loss_case("gspo", "k3", "seq-mean-token-mean"),
 }
 
 

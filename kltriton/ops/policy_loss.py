@@ -22,6 +22,7 @@ from kltriton.kernels.loss import LossRows, terms
 from kltriton.ops._define import define_op
 from kltriton.ops.stream import stream, stream_backend
 from kltriton.ops.token_kl import ref_is_logits
+from kltriton.ops.vocab_parallel import vocab_shard
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -264,6 +265,8 @@ def policy_loss(
     cu_seqlens: Optional[torch.Tensor] = None,
     shift_labels: bool = False,
     backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
 ) -> PolicyLossOutput:
     """The policy loss ``agg(pg * is_weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
@@ -285,6 +288,8 @@ def policy_loss(
             or zeroed above it. Without ``is_mode`` the mismatch is only reported in the metrics.
         aggregation: verl ``agg_loss`` mode; ``horizon`` divides ``"seq-mean-token-sum-norm"`` (default:
             the padded length ``T``, the longest packed segment, or ``N``).
+        process_group, vocab_start: vocab-parallel logits (and reference logits), as in ``token_kl``:
+            every rank gets the global loss and the gradient of its shard (the two-pass route).
 
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
@@ -319,8 +324,10 @@ def policy_loss(
         raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
     estimator = _check_estimator(kl_estimator, with_ref_logits) if ref is not None else ""
     temperature = check_temperature(temperature, device)
+    shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True)
+                          shift_labels=shift_labels, with_seq_index=True,
+                          vocab=None if shard is None else shard.vocab)
     target, seq_index, num_seqs = layout.target, layout.seq_index, layout.num_seqs
     n = target.numel()
     acc = accumulation_dtype(logits.dtype)
@@ -351,7 +358,8 @@ def policy_loss(
     w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
     ref_logits = ref.detach() if with_ref_logits else None
 
-    fused = loss_type != "gspo" and not (old is None and rollout is not None)
+    # Vocab-parallel takes the two-pass route: the gradient coefficients need the global statistics.
+    fused = loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
     is_info = None
     if fused:
         if rollout is not None:
@@ -369,7 +377,7 @@ def policy_loss(
     else:  # two passes: the differentiable stream op, the formulas in PyTorch, autograd
         name = stream_backend(backend, logits)
         stats = stream(logits, ref_logits, target, temperature, with_entropy=True,
-                       with_full_kl=estimator == "full", backend=name)
+                       with_full_kl=estimator == "full", backend=name, shard=shard)
         logp, entropy = stats.logp, stats.entropy
         ref_logp = stats.ref_logp if ref_logits is not None else (
             ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
