@@ -19,6 +19,17 @@ struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
 };
 
+// The shift of a lane whose raw max is m: fl(m * invT) rounded up, so that z = fma(x, invT, -shift)
+// is <= 0 for every x <= m (round-to-nearest can leave z = +ulp(m / T) / 2, which overflows exp
+// for |m| / T > ~1e9), and clamped to the lowest float (m = finfo.min with T < 1 would give
+// -inf and z = +inf; the clamped lane then has exp(z) = 0, which is exact unless every lane of
+// the row is so masked). Once per block, not per element.
+inline Vec shift_of(const Vec& m, const Vec& vinv) {
+  const Vec p = m * vinv;
+  const Vec up = Vec::blendv(p, p.nextafter(Vec(kInf)), vfma(m, vinv, Vec(0.f) - p) > Vec(0.f));
+  return at::vec::clamp_min(up, Vec(kLowest));
+}
+
 template <int MODE>
 struct LaneState {
   static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
@@ -38,23 +49,26 @@ struct LaneState {
       if constexpr (REF) by = vmax(by, ldy(i));
     }
     // Rescale the lane sums to the new shift. A lane that was empty (max -inf) has zero sums
-    // and gets a factor 0 (avoids exp(+big) * 0).
+    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the shift grew
+    // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
+    // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
-    const Vec mixn = Vec::blendv(mxn * vinv, zero, mxn == ninf);
+    const Vec mixn = Vec::blendv(shift_of(mxn, vinv), zero, mxn == ninf);
     const Vec dx = mixn - mix;
     const Vec ax = Vec::blendv(vexp(zero - dx), zero, mx == ninf);
+    const Vec ax_zero = ax == zero;
     Vec dy = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
-      const Vec miyn = Vec::blendv(myn * vinv, zero, myn == ninf);
+      const Vec miyn = Vec::blendv(shift_of(myn, vinv), zero, myn == ninf);
       dy = miyn - miy;
       const Vec ay = Vec::blendv(vexp(zero - dy), zero, my == ninf);
       sy = ay * sy;
       my = myn;
       miy = miyn;
     }
-    if constexpr (KL) u = ax * (u - (dx - dy) * sx);
-    if constexpr (ENT) tx = ax * (tx - dx * sx);
+    if constexpr (KL) u = Vec::blendv(ax * (u - (dx - dy) * sx), zero, ax_zero);
+    if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
     sx = ax * sx;
     mx = mxn;
     mix = mixn;
@@ -197,7 +211,9 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
             if (amx[l] == -kInf) continue;
             const double dxl = cx.mi - static_cast<double>(amix[l]);
             const double dyl = cy.mi - static_cast<double>(amiy[l]);
-            U += std::exp(-dxl) * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
+            const double a = std::exp(-dxl);
+            if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
+            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
           r.full_kl = static_cast<float>(U / cx.s - std::log(cx.s) + log_s);
         }
