@@ -143,15 +143,15 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   return c;
 }
 
-template <typename T, int MODE>
-RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, double lo) {
+template <typename T, typename R, int MODE>
+RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
   LaneState<MODE> st(hi);
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
     const T* px = x + v0 * kW;
-    const T* py = REF ? y + v0 * kW : nullptr;
+    const R* py = REF ? y + v0 * kW : nullptr;
     st.block(
         nv, [px](int64_t i) { return load_f(px + i * kW); },
         [py](int64_t i) { return load_f(py + i * kW); });
@@ -223,7 +223,7 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
   return r;
 }
 
-template <typename T, int MODE>
+template <typename T, typename R, int MODE>
 void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                  const int64_t* tgt, int64_t N, int64_t V, const Temperatures& temp, float* logp,
                  float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
@@ -242,7 +242,7 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
         float hi;
         double lo;
         temp.inverse(n, hi, lo);
-        r = forward_row<T, MODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, R, MODE>(X.row<T>(n), REF ? Y.row<R>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
       lse[n] = r.lse;
@@ -270,8 +270,6 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
-    TORCH_CHECK(ref3d->scalar_type() == logits3d.scalar_type(),
-                "kltriton_cpp: ref_logits must have the dtype of logits");
   }
   const auto f32 = logits3d.options().dtype(at::kFloat);
   auto out = [&](bool wanted) { return at::empty({wanted ? N : 0}, f32); };
@@ -286,11 +284,18 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                    has_ref ? rlse.data_ptr<float>() : nullptr,
                    with_full_kl ? fkl.data_ptr<float>() : nullptr};
     const int mode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (with_full_kl ? kFullKl : 0);
-    with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    with_dtypes(logits3d.scalar_type(), ref3d, [&](auto tag, auto ref_tag) {
       using T = typename decltype(tag)::type;
-      with_mode<0, kEntropy, kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
-      });
+      using R = typename decltype(ref_tag)::type;
+      if (has_ref) {
+        with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+          run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      } else if constexpr (std::is_same_v<T, R>) {
+        with_mode<0, kEntropy>(mode, [&](auto m) {
+          run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      }
     });
   }
   return {logp, lse, ent, rlogp, rlse, fkl};

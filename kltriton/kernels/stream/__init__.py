@@ -6,7 +6,8 @@ CPU under ``TRITON_INTERPRET=1``), ``cpp.py`` (CPU, fp32 / bf16 / fp16). Each mo
 ``forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats``
     logits:      ``[..., V]`` float, any strides on the leading dims, last dim contiguous. ``N`` =
                  number of leading positions, in row-major order of the leading dims.
-    ref_logits:  ``None`` or a tensor of the same shape and dtype (strides may differ).
+    ref_logits:  ``None`` or a tensor of the same shape (strides may differ), in its own float dtype
+                 (e.g. fp32 under a bf16 policy; each is read as it is, never copied).
     target:      ``[N]`` int64, contiguous: a label in ``[0, V)``, ``SKIP`` (outputs 0, logits
                  never read) or ``OUT_OF_RANGE`` (outputs NaN, logits never read).
     temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
