@@ -228,7 +228,36 @@ def test_parity_verl_apply_kl_penalty():
     scores_tok, beta = torch.randn(4, 9), 0.2
     kld = (naive_logprobs(logits, ids) - naive_logprobs(ref, ids)) * mask
     expected = scores_tok.double() - beta * kld
-    out = kltriton.fused_kl_reward(logits, ref, ids, coef=beta, rewards=scores_tok, mask=mask)
+    out = kltriton.fused_kl_reward(logits, ref, ids, coef=beta, rewards=scores_tok, mask=mask.long())
     assert_close(out.reward, expected, 1e-5)
     assert torch.equal(out.reward[~mask], scores_tok[~mask])
 
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "flat"])
+def test_empty_batch_with_every_option(backend, layout):
+    """N == 0 ([B, 0, V], or packed with cu_seqlens, or flat): empty in, empty out, with every option."""
+    vocab = 11
+    if layout == "padded":
+        shape, seq = (3, 0), dict()
+    elif layout == "packed":
+        shape, seq = (0,), dict(cu_seqlens=torch.zeros(3, dtype=torch.long))
+    else:
+        shape, seq = (0,), dict()
+    num_seqs = {"padded": 3, "packed": 2, "flat": 1}[layout]
+    logits = torch.randn(*shape, vocab, requires_grad=True)
+    ref = torch.randn(*shape, vocab)
+    ids = torch.randint(0, vocab, shape)
+    for estimator in ("k1", "k3", "full"):
+        for ref_arg in (ref, torch.randn(shape)):
+            if estimator == "full" and ref_arg.dim() != logits.dim():
+                continue
+            out = kltriton.fused_kl_reward(
+                logits, ref_arg, ids, coef=torch.tensor(0.1), estimator=estimator, kl_clamp=5.0,
+                scores=torch.randn(num_seqs), rewards=torch.randn(*shape, 1), score_clip=1.0,
+                temperature=torch.full(shape, 0.7), mask=torch.ones(shape, dtype=torch.long),
+                shift_labels=True, backend=backend, **seq)
+            for t in out[:4]:
+                assert t.shape == shape and t.dtype == torch.float32
+            assert out.kl_per_seq.shape == (num_seqs,) and (out.kl_per_seq == 0).all()
+            grad, = torch.autograd.grad(out.reward.sum() + out.kl_per_seq.sum(), logits)
+            assert grad.shape == logits.shape

@@ -136,7 +136,7 @@ def fused_kl_reward(
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature, logits.device)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
