@@ -64,6 +64,10 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         keep = torch.nonzero(tgt >= 0).squeeze(1)
         if keep.numel() == 0:
             continue
+        if keep.numel() == 1:
+            # Batch invariance: torch splits a reduction with a single output between threads
+            # (another summation order than a row of a larger batch gets); reduce the row twice.
+            keep = keep.repeat(2)
         rows = start + keep
         label = tgt[keep][:, None]
         temp = _row_temperature(temperature, rows, acc)
