@@ -93,7 +93,7 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
         const float v = tg == kSkip ? 0.f : kNaN;
         r = RowOut{v, 0.f, v, v, 0.f, v};
       } else {
-        r = forward_row<T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
       ent[n] = r.entropy;
@@ -108,7 +108,7 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
       const Coef c = row_coefficients(P, in, n, r.logp, rlp);
       const RowCoef k = row_coef(temp, n, r.lse, r.ref_lse, c.gl, (BMODE & kEntropy) ? c.ge : 0.f, r.entropy,
                                  c.gk, r.full_kl);
-      backward_row<T, BMODE>(X.row<T>(n), (BMODE & kFullKl) ? Y.row<T>(n) : nullptr, g, V, tg, k);
+      backward_row<T, T, BMODE>(X.row<T>(n), (BMODE & kFullKl) ? Y.row<T>(n) : nullptr, g, V, tg, k);
     }
   });
 }

@@ -19,6 +19,17 @@ struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
 };
 
+// The shift of a lane whose raw max is m: fl(m * invT) rounded up, so that z = fma(x, invT, -shift)
+// is <= 0 for every x <= m (round-to-nearest can leave z = +ulp(m / T) / 2, which overflows exp
+// for |m| / T > ~1e9), and clamped to the lowest float (m = finfo.min with T < 1 would give
+// -inf and z = +inf; the clamped lane then has exp(z) = 0, which is exact unless every lane of
+// the row is so masked). Once per block, not per element.
+inline Vec shift_of(const Vec& m, const Vec& vinv) {
+  const Vec p = m * vinv;
+  const Vec up = Vec::blendv(p, p.nextafter(Vec(kInf)), vfma(m, vinv, Vec(0.f) - p) > Vec(0.f));
+  return at::vec::clamp_min(up, Vec(kLowest));
+}
+
 template <int MODE>
 struct LaneState {
   static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
@@ -38,23 +49,26 @@ struct LaneState {
       if constexpr (REF) by = vmax(by, ldy(i));
     }
     // Rescale the lane sums to the new shift. A lane that was empty (max -inf) has zero sums
-    // and gets a factor 0 (avoids exp(+big) * 0).
+    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the shift grew
+    // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
+    // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
-    const Vec mixn = Vec::blendv(mxn * vinv, zero, mxn == ninf);
+    const Vec mixn = Vec::blendv(shift_of(mxn, vinv), zero, mxn == ninf);
     const Vec dx = mixn - mix;
     const Vec ax = Vec::blendv(vexp(zero - dx), zero, mx == ninf);
+    const Vec ax_zero = ax == zero;
     Vec dy = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
-      const Vec miyn = Vec::blendv(myn * vinv, zero, myn == ninf);
+      const Vec miyn = Vec::blendv(shift_of(myn, vinv), zero, myn == ninf);
       dy = miyn - miy;
       const Vec ay = Vec::blendv(vexp(zero - dy), zero, my == ninf);
       sy = ay * sy;
       my = myn;
       miy = miyn;
     }
-    if constexpr (KL) u = ax * (u - (dx - dy) * sx);
-    if constexpr (ENT) tx = ax * (tx - dx * sx);
+    if constexpr (KL) u = Vec::blendv(ax * (u - (dx - dy) * sx), zero, ax_zero);
+    if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
     sx = ax * sx;
     mx = mxn;
     mix = mixn;
@@ -129,15 +143,15 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   return c;
 }
 
-template <typename T, int MODE>
-RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, double lo) {
+template <typename T, typename R, int MODE>
+RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
   LaneState<MODE> st(hi);
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
     const T* px = x + v0 * kW;
-    const T* py = REF ? y + v0 * kW : nullptr;
+    const R* py = REF ? y + v0 * kW : nullptr;
     st.block(
         nv, [px](int64_t i) { return load_f(px + i * kW); },
         [py](int64_t i) { return load_f(py + i * kW); });
@@ -197,7 +211,9 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
             if (amx[l] == -kInf) continue;
             const double dxl = cx.mi - static_cast<double>(amix[l]);
             const double dyl = cy.mi - static_cast<double>(amiy[l]);
-            U += std::exp(-dxl) * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
+            const double a = std::exp(-dxl);
+            if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
+            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
           r.full_kl = static_cast<float>(U / cx.s - std::log(cx.s) + log_s);
         }
@@ -207,7 +223,7 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float hi, d
   return r;
 }
 
-template <typename T, int MODE>
+template <typename T, typename R, int MODE>
 void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                  const int64_t* tgt, int64_t N, int64_t V, const Temperatures& temp, float* logp,
                  float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
@@ -226,7 +242,7 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
         float hi;
         double lo;
         temp.inverse(n, hi, lo);
-        r = forward_row<T, MODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, R, MODE>(X.row<T>(n), REF ? Y.row<R>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
       lse[n] = r.lse;
@@ -255,8 +271,6 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
-    TORCH_CHECK(ref3d->scalar_type() == logits3d.scalar_type(),
-                "kltriton_cpp: ref_logits must have the dtype of logits");
   }
   const auto f32 = logits3d.options().dtype(at::kFloat);
   auto out = [&](bool wanted) { return at::empty({wanted ? N : 0}, f32); };
@@ -271,11 +285,18 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                    has_ref ? rlse.data_ptr<float>() : nullptr,
                    with_full_kl ? fkl.data_ptr<float>() : nullptr};
     const int mode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (with_full_kl ? kFullKl : 0);
-    with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    with_dtypes(logits3d.scalar_type(), ref3d, [&](auto tag, auto ref_tag) {
       using T = typename decltype(tag)::type;
-      with_mode<0, kEntropy, kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
-      });
+      using R = typename decltype(ref_tag)::type;
+      if (has_ref) {
+        with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+          run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      } else if constexpr (std::is_same_v<T, R>) {
+        with_mode<0, kEntropy>(mode, [&](auto m) {
+          run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      }
     });
   }
   return {logp, lse, ent, rlogp, rlse, fkl};

@@ -34,10 +34,12 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
     scored, counts = _valid_counts(target, seq_index, num_seqs, kl.dtype)
     kl_per_seq = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device).index_add_(0, seq_index, kl)
     kl_per_seq = kl_per_seq / counts.clamp(min=1)
+    # kl is 0 at unscored positions, so a given per-token reward passes through there unchanged
+    # (torchrl KLComputation, verl apply_kl_penalty); without one the reward is 0 there.
     reward = -coef.to(kl.dtype) * kl
     if rewards is not None:
-        reward = reward + rewards.reshape(-1).to(kl.dtype)
-    if scores is not None:
+        reward = rewards.reshape(-1).to(kl.dtype) + reward
+    if scores is not None and kl.numel():  # N == 0 (e.g. [B, 0, V]): nothing to add the scores to
         positions = torch.arange(kl.numel(), device=kl.device)
         last = torch.full((num_seqs,), -1, dtype=torch.long, device=kl.device).scatter_reduce(
             0, seq_index, torch.where(scored > 0, positions, -1), reduce="amax", include_self=True)
@@ -46,7 +48,6 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
             bonus = bonus.clamp(-score_clip, score_clip)
         # A sequence without a scored position (last == -1) adds 0 at position 0.
         reward = reward.index_add(0, last.clamp(min=0), torch.where(last >= 0, bonus, torch.zeros_like(bonus)))
-    reward = torch.where(scored > 0, reward, torch.zeros_like(reward))
     return reward, kl_per_seq
 
 
@@ -130,14 +131,15 @@ def fused_kl_reward(
     flat ``[N]`` layout.
 
     Returns:
-        ``KLReward(reward, kl, logprobs, ref_logprobs, kl_per_seq)``: fp32 ``S`` tensors (0 where
-        not scored) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
+        ``KLReward(reward, kl, logprobs, ref_logprobs, kl_per_seq)``: fp32 ``S`` tensors (``kl``,
+        ``logprobs``, ``ref_logprobs`` are 0 where not scored; ``reward`` there is the given
+        ``rewards`` unchanged, or 0) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
         positions (0 if it has none). Gradient flows to the policy ``logits`` through ``kl``.
     """
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature, logits.device)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
     shard = vocab_shard(logits, process_group, vocab_start)

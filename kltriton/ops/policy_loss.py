@@ -323,7 +323,7 @@ def policy_loss(
     if ref is None and kl_coef != 0.0:
         raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
     estimator = _check_estimator(kl_estimator, with_ref_logits) if ref is not None else ""
-    temperature = check_temperature(temperature, device)
+    temperature = check_temperature(temperature, device, logits.shape[:-1])
     shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True,

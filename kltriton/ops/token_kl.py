@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators
-from kltriton._inputs import build_layout, check_logits, check_temperature
+from kltriton._inputs import LOGIT_DTYPES, build_layout, check_logits, check_temperature
 from kltriton.ops.stream import stream, stream_backend
 from kltriton.ops.vocab_parallel import vocab_shard
 
@@ -29,8 +29,11 @@ def ref_is_logits(logits: torch.Tensor, ref) -> bool:
     if ref.device != logits.device:
         raise ValueError(f"ref is on {ref.device} but logits are on {logits.device}")
     if ref.shape == logits.shape:
-        if ref.dtype != logits.dtype:
-            raise TypeError(f"ref logits must have the logits' dtype {logits.dtype}, got {ref.dtype}")
+        # Any logits dtype, also one other than the policy's (a bf16 policy, an fp32 reference);
+        # float64 only with float64 logits (the reference backend).
+        if ref.dtype not in LOGIT_DTYPES or (ref.dtype == torch.float64) != (logits.dtype == torch.float64):
+            raise TypeError(f"ref logits must be float32, bfloat16 or float16 (float64 only with float64 logits), "
+                            f"got {ref.dtype} with logits {logits.dtype}")
         return True
     if ref.shape == logits.shape[:-1]:
         return False
@@ -80,13 +83,16 @@ def token_kl(
 
     Args:
         logits: policy logits ``[..., V]`` (fp32 / bf16 / fp16, leading dims may be strided).
-        ref: reference logits of the same shape (read in the same pass), or reference
+        ref: reference logits of the same shape, in any logits dtype (read in the same pass, as
+            they are: a bf16 policy may have an fp32 reference), or reference
             log-probs of shape ``S = logits.shape[:-1]`` (scored elsewhere).
         labels, mask, ignore_index, cu_seqlens, shift_labels, temperature, backend:
             as in ``token_logprobs``; the temperature applies to both models.
         estimator: ``"k1"`` (``d = logp - ref_logp``), ``"abs"``, ``"k2"`` (``d**2 / 2``),
             ``"k3"`` (``exp(-d) + d - 1``), ``"full"`` (exact KL over the vocab; needs
-            reference logits), or the aliases ``"kl"``, ``"mse"``, ``"low_var_kl"``.
+            reference logits), the aliases ``"kl"``, ``"mse"``, ``"low_var_kl"``, or verl's
+            straight-through ``"k1+"``, ``"kl+"``, ``"abs+"``, ``"k3+"``, ``"low_var_kl+"`` (the value
+            of the name without ``+``, the gradient of ``"k2"``).
         kl_clamp: clamp the estimator's value to ``[-kl_clamp, kl_clamp]``.
         process_group: a ``torch.distributed`` group whose ranks each hold a contiguous vocab shard
             ``logits[..., V_local]`` (and ``ref``, when logits) (vocab-parallel); ``labels`` are then global ids. One all-gather
@@ -101,7 +107,7 @@ def token_kl(
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature, logits.device)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)

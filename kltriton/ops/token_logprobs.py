@@ -28,7 +28,9 @@ def token_logprobs(
         logits: ``[..., V]`` fp32 / bf16 / fp16; any strides on the leading dims
             (``logits[:, :-1]`` is read in place).
         labels: integer ``S = logits.shape[:-1]``; ``ignore_index`` marks unscored positions.
-        mask: optional bool ``S``; False = not scored.
+        mask: optional bool or integer ``S`` (a Hugging Face ``attention_mask`` as it is); 0 = not scored.
+        temperature: ``T > 0``, finite: a python float, a 0-dim tensor, or a floating tensor of shape
+            ``S`` (one per position); a tensor never recompiles under ``torch.compile``.
         cu_seqlens: optional ``[num_seqs + 1]`` offsets of packed sequences in ``[N, V]`` logits.
         shift_labels: ``labels`` are input ids; position ``t`` is scored on ``labels[t + 1]``
             of the same sequence (``mask[t + 1]`` decides), the last position of each is not.
@@ -45,7 +47,7 @@ def token_logprobs(
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``).
     """
     check_logits(logits)
-    temperature = check_temperature(temperature, logits.device)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)

@@ -1,12 +1,14 @@
 """C++ backend of the ``loss`` family: ``torch.ops.kltriton_cpp.loss_forward`` / ``loss_scale_``.
 
 One pass per row (``csrc/loss_forward.cpp``): the row's statistics, its loss coefficients, then its
-gradient while the row is still in cache. CPU tensors in float32 / bfloat16 / float16.
+gradient while the row is still in cache. CPU tensors in float32 / bfloat16 / float16. The fused row
+kernel takes one dtype: reference logits in another dtype run the two-pass composition of the C++
+stream kernels (``composed.py``), which reads them in their own dtype.
 """
 import torch
 
 from kltriton.kernels import cpp_library
-from kltriton.kernels.loss import LossStats
+from kltriton.kernels.loss import LossStats, composed
 from kltriton.kernels.rows import as_rows3d
 
 LOSS_TYPES = {"ppo": 0, "cispo": 1}
@@ -22,6 +24,9 @@ def _f32(tensor):
 
 
 def forward(logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad):
+    if ref_logits is not None and ref_logits.dtype != logits.dtype:
+        return composed.forward("cpp", logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator,
+                                entropy_grad, with_grad)
     cpp_library.load()
     straight = estimator.endswith("+")
     base = estimator[:-1] if straight else estimator

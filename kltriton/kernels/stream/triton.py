@@ -106,10 +106,15 @@ def _stream_forward_kernel(
             s_x_old = s_x
             m_x_safe_old = m_x_safe
             m_x, m_x_safe, alpha_x, z_x, e_x, s_x = _online_update(x, m_x, s_x, inv_temperature)
+            # Rescaling t_x / u to the new max: where alpha_x is 0 (an empty row so far, or a max
+            # that grew by > ~100 / T, e.g. from finfo.min to finfo.max, where delta overflows to
+            # +inf) the old sums vanish. The where is on the scalar, so 0 * inf never reaches
+            # t_x / u. Per element, a term with e_x == 0 is 0 even where z_x is -inf (x = -inf,
+            # or x - max overflowing for x = finfo.min under a max of finfo.max).
             if WITH_ENTROPY:
                 delta = (m_x_safe - m_x_safe_old) * inv_temperature
-                t_x = tl.where(s_x_old > 0, alpha_x * (t_x - delta * s_x_old), 0.0)
-                t_x += tl.sum(tl.where(x == NEG_INF, 0.0, e_x * z_x), axis=0)
+                t_x = tl.where(alpha_x > 0, alpha_x * (t_x - delta * s_x_old), 0.0)
+                t_x += tl.sum(tl.where(e_x == 0, 0.0, e_x * z_x), axis=0)
             if HAS_REF:
                 y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
                 y = tl.load(y_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
@@ -117,8 +122,8 @@ def _stream_forward_kernel(
                 m_y, m_y_safe, alpha_y, z_y, e_y, s_y = _online_update(y, m_y, s_y, inv_temperature)
                 if WITH_FULL_KL:
                     shift = ((m_x_safe - m_x_safe_old) - (m_y_safe - m_y_safe_old)) * inv_temperature
-                    u = tl.where(s_x_old > 0, alpha_x * (u - shift * s_x_old), 0.0)
-                    u += tl.sum(tl.where(x == NEG_INF, 0.0, e_x * (z_x - z_y)), axis=0)
+                    u = tl.where(alpha_x > 0, alpha_x * (u - shift * s_x_old), 0.0)
+                    u += tl.sum(tl.where(e_x == 0, 0.0, e_x * (z_x - z_y)), axis=0)
         log_s_x = tl.log(s_x)
         x_label = tl.load(x_row + target).to(tl.float32)
         tl.store(logp_ptr + row, _clamp_nonpositive((x_label - m_x_safe) * inv_temperature - log_s_x))
@@ -155,8 +160,9 @@ def _stream_backward_kernel(
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
-    # Skipped rows and rows without a distribution (all -inf logits) get a zero gradient.
-    live = (target >= 0) & (lse > NEG_INF)
+    # Skipped rows and rows without a finite lse (all -inf logits: -inf; a NaN or +inf logit:
+    # NaN; |logits| / T beyond fp32: +-inf) get a zero gradient, as on every backend.
+    live = (target >= 0) & (lse > NEG_INF) & (lse < float("inf"))
     g_logp = tl.where(live, tl.load(g_logp_ptr + row), 0.0)
     x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
     if WITH_ENTROPY:
@@ -176,12 +182,14 @@ def _stream_backward_kernel(
         p = tl.exp(log_p)
         grad = g_logp * (tl.where(offs == target, 1.0, 0.0) - p)
         if WITH_ENTROPY:
-            grad -= g_entropy * tl.where(x == NEG_INF, 0.0, p * (log_p + entropy))
+            # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even
+            # where log_p is -inf.
+            grad -= g_entropy * tl.where(p == 0, 0.0, p * (log_p + entropy))
         if WITH_FULL_KL:
             y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=read, other=NEG_INF).to(tl.float32)
             log_q = y * inv_temperature - ref_lse
-            grad += g_full_kl * tl.where(x == NEG_INF, 0.0, p * (log_p - log_q - full_kl))
+            grad += g_full_kl * tl.where(p == 0, 0.0, p * (log_p - log_q - full_kl))
         grad = tl.where(live, grad * inv_temperature, 0.0)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
 
