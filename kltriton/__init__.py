@@ -7,6 +7,7 @@ from kltriton import controllers, dispatch
 from kltriton._inputs import set_validation
 from kltriton.dropins import logprobs_of_labels, selective_log_softmax
 from kltriton.ops.fused_kl_reward import KLReward, fused_kl_reward
+from kltriton.ops.linear_logits import LinearLogits
 from kltriton.ops.token_kl import KLOutput, token_kl
 from kltriton.ops.token_logprobs import token_logprobs
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KLOutput",
     "KLReward",
+    "LinearLogits",
     "controllers",
     "dispatch",
     "fused_kl_reward",

@@ -16,6 +16,7 @@ BACKENDS = ("triton", "cpp", "reference")
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
     "stream": "statistics streamed over rows of logits",
+    "linear": "the stream statistics of logits given as hidden @ weight.T (GEMM tiles)",
 }
 # The automatic choice per device, in order of preference.
 _PREFERENCE = {"cuda": ("triton", "reference"), "cpu": ("cpp", "reference")}

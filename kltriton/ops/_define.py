@@ -20,7 +20,8 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None):
         fake: same arguments as ``fn``, returns empty tensors of the outputs' shapes and dtypes.
         save: names of ``fn``'s parameters and of ``outputs`` that ``backward`` reads.
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save``
-            names as attributes, ``grads`` maps output names to their gradient (``None`` when that
+            names as attributes (and ``needs_grad``: input name -> whether autograd wants its
+            gradient), ``grads`` maps output names to their gradient (``None`` when that
             output was not used). Omit it for an op that is not differentiable.
     """
     op = torch.library.custom_op(f"kltriton::{name}", fn, mutates_args=())
@@ -37,7 +38,8 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None):
         ctx.plain = {k: values[k] for k in save if k not in ctx.tensor_names}
 
     def autograd_backward(ctx, *grads):
-        saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain)
+        saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain,
+                                needs_grad=dict(zip(params, ctx.needs_input_grad)))
         result = backward(saved, dict(zip(outputs, grads)))
         return tuple(result.get(p) for p in params)
 

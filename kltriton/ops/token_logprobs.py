@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from kltriton._inputs import build_layout, check_logits, check_temperature
-from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
 
 
 def token_logprobs(
@@ -23,7 +23,8 @@ def token_logprobs(
 
     Args:
         logits: ``[..., V]`` fp32 / bf16 / fp16; any strides on the leading dims
-            (``logits[:, :-1]`` is read in place).
+            (``logits[:, :-1]`` is read in place); or a ``kltriton.LinearLogits`` (hidden states
+            and an LM head: the logits are never built).
         labels: integer ``S = logits.shape[:-1]``; ``ignore_index`` marks unscored positions.
         mask: optional bool ``S``; False = not scored.
         cu_seqlens: optional ``[num_seqs + 1]`` offsets of packed sequences in ``[N, V]`` logits.
@@ -34,13 +35,15 @@ def token_logprobs(
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
-        Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``).
+        Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``), or a ``LinearLogits``'
+        hidden states, weight and bias.
     """
-    check_logits(logits)
+    if not is_linear(logits):
+        check_logits(logits)
     temperature = check_temperature(temperature, logits.device)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask,
                           cu_seqlens=cu_seqlens, shift_labels=shift_labels)
-    backend = stream_backend(backend, logits)
-    stats = stream(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend)
+    backend = logits_backend(backend, logits)
+    stats = logits_stats(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend)
     logp = stats.logp.view(layout.shape)
     return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp
