@@ -17,7 +17,7 @@ from kltriton.ops.linear_logits import linear_backward, linear_forward
 from helpers import EPS32, STORE_RTOL, assert_close, grad_tols, random_labels, value_atol
 
 H, V = 37, 101  # odd hidden size and vocab (not a multiple of any block)
-SMALL_TILE = 300  # 64-row tiles of 4 vocab columns: the vocab-tiled path and its merge
+SMALL_TILE = 64 * 26  # 64-row tiles of 26 vocab columns (4 vocab tiles): the vocab-tiled path and its merge
 
 
 def make(shape, dtype, bias=True, seed=0, scale=0.5):
@@ -142,7 +142,7 @@ def test_mixed_sides_estimators_and_rewards_match_dense():
     rz = (rh @ rw.T + rb).detach()
     lin, rlin = LinearLogits(h, w, b), LinearLogits(rh, rw, rb)
     ref_logp = -torch.rand(3, 5)
-    for est, clamp in (("k1", None), ("k3", 0.5), ("abs", None), ("k2", 1.0), ("full", None), ("k3+", None)):
+    for est, clamp in (("k1", None), ("k3", 0.5), ("abs", None), ("k2", 1.0), ("full", None)):
         for pol, ref, dense_ref in ((lin, rlin, rz), (lin, rz, rz), (z, rlin, rz), (lin, ref_logp, ref_logp)):
             if est == "full" and ref is ref_logp:
                 continue
@@ -227,6 +227,7 @@ def op_samples(backend):
     scalar = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     h, w, b = make((2, 3), torch.float32)
     rh, rw, _ = make((2, 3), torch.float32, bias=False, seed=5)
+    rh, rw = rh.detach(), rw.detach()
     target = torch.randint(0, V, (6,))
     target[1] = SKIP
     none5 = (None,) * 5

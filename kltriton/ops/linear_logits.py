@@ -169,9 +169,7 @@ def _backward_kernel(
         Side(x, weight, bias, scale, softcap), _side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap),
         target, temperature, lse, ref_lse, as_stats(g_logp), as_stats(g_entropy), entropy,
         as_stats(g_full_kl), full_kl, want_x, want_weight, want_bias, tile_elements)
-    empty = x.new_empty(0)
-    return (empty if d_x is None else d_x, empty if d_weight is None else d_weight,
-            empty if d_bias is None else d_bias)
+    return tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
 
 
 def _backward_fake(x, weight, bias, *rest):
