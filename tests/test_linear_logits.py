@@ -243,7 +243,7 @@ def op_samples(backend):
                             SMALL_TILE, backend)
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", pytest.param("triton", marks=pytest.mark.slow)])
 def test_opcheck(backend_name):
     usable, why = dispatch.availability(backend_name, "linear")
     if not usable:
