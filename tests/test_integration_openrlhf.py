@@ -197,6 +197,10 @@ def test_policy_loss_matches_openrlhf(loss_type, dual_clip, token_level_loss):
     logits, labels, _, mask = _policy_and_ref()
     g = torch.Generator().manual_seed(6)
     advantages = torch.randn(logits.shape[:2], generator=g)
+    if loss_type == "gspo":
+        # One advantage per sequence, as GSPO uses it. OpenRLHF differentiates exp(mean log-ratio) itself and
+        # verl (whose formula kltriton follows) the stop-gradient token form: equal gradients only then.
+        advantages = advantages[:, :1].expand_as(advantages)
     with kl_openrlhf.apply():
         logp = openrlhf_utils.log_probs_from_logits(logits, labels) * mask
     old = (logp.detach() + 0.3 * torch.randn(logp.shape, generator=g)) * mask
