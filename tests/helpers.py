@@ -68,3 +68,19 @@ def assert_close(actual, expected, atol, rtol=0.0, what=""):
         assert bool((err <= bound).all()), (
             f"{what}: max excess at {worst.item()}: |{a[fin][worst].item()} - {e[fin][worst].item()}| "
             f"= {err[worst].item():.3e} > {bound[worst].item():.3e}")
+
+
+class CallCounter:
+    """Counts the calls of a public kltriton function, replaced for the test with ``monkeypatch``."""
+
+    def __init__(self, monkeypatch, name: str):
+        import kltriton
+
+        self.calls = 0
+        original = getattr(kltriton, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(kltriton, name, counted)

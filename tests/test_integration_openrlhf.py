@@ -12,6 +12,7 @@ pytest.importorskip("openrlhf")
 pytest.importorskip("deepspeed")
 
 import kltriton  # noqa: E402
+from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import openrlhf as kl_openrlhf  # noqa: E402
 
 
@@ -49,15 +50,7 @@ ORIGINALS = (openrlhf_utils.log_probs_from_logits, openrlhf_utils.compute_entrop
 @pytest.fixture
 def counted(monkeypatch):
     """Counts calls of kltriton.token_logprobs (what the integration calls)."""
-    calls = []
-    original = kltriton.token_logprobs
-
-    def token_logprobs(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(kltriton, "token_logprobs", token_logprobs)
-    return calls
+    return CallCounter(monkeypatch, "token_logprobs")
 
 
 def _logits(shape, dtype=torch.float32, seed=0):
@@ -99,7 +92,7 @@ def test_actor_forward_and_backward_match(tmp_path, counted):
     logp, entropy, grads = run()
     with kl_openrlhf.apply():
         k_logp, k_entropy, k_grads = run()
-    assert len(counted) == 2  # one log-prob call, one entropy call
+    assert counted.calls == 2  # one log-prob call, one entropy call
     # Same fp32 logits in both runs: only the order of the vocab reduction differs.
     torch.testing.assert_close(k_logp, logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_entropy, entropy, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("trl")
 
 import kltriton  # noqa: E402
+from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "big", "small", "red", "blue", "and", "then"]
@@ -65,20 +66,6 @@ def model_dir(tmp_path_factory):
     return path
 
 
-class _Counter:
-    """Wraps a public kltriton function and counts its calls."""
-
-    def __init__(self, monkeypatch, name):
-        self.calls = 0
-        original = getattr(kltriton, name)
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(kltriton, name, counted)
-
-
 # Tolerances. The two runs differ only in fp32 rounding: TRL's CPU head folds the vocab in torch, kltriton
 # streams it in its C++ kernel; per-token log-probs agree to ~1e-6, and Adam steps of 0.05 on a 2-layer model
 # carry that to ~1e-5 relative in the weights after 4 steps. Sampling sees the same seed, and a ~1e-6 shift of
@@ -104,8 +91,8 @@ def _assert_same_metrics(trl_logs, kl_logs):
 
 def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch):
     trl_logs = _train(model_dir, tmp_path / "trl")
-    logprobs = _Counter(monkeypatch, "token_logprobs")
-    losses = _Counter(monkeypatch, "policy_loss")
+    logprobs = CallCounter(monkeypatch, "token_logprobs")
+    losses = CallCounter(monkeypatch, "policy_loss")
     with kl_trl.apply():
         kl_logs = _train(model_dir, tmp_path / "kltriton")
     # The test can fail: clipping happened, the KL moved off zero, training moved the model.
@@ -149,7 +136,7 @@ def test_model_built_while_applied_uses_trl_head_after_undo(model_dir, monkeypat
     labels[:, :2] = -100
     with kl_trl.apply():
         grpo_trainer.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
-        logprobs = _Counter(monkeypatch, "token_logprobs")
+        logprobs = CallCounter(monkeypatch, "token_logprobs")
         ours = model(input_ids=ids, labels=labels, fused_lm_head=True)
         assert logprobs.calls == 1
     theirs = model(input_ids=ids, labels=labels, fused_lm_head=True)

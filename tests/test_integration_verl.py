@@ -14,6 +14,7 @@ import verl.trainer.ppo.core_algos as core_algos  # noqa: E402
 import verl.utils.torch_functional as verl_F  # noqa: E402
 
 import kltriton  # noqa: E402
+from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import verl as kl_verl  # noqa: E402
 
 VERL_ORIGINALS = (verl_F.logprobs_from_logits, verl_F.entropy_from_logits, verl_F.entropy_from_logits_with_chunking)
@@ -24,15 +25,7 @@ VERL_TESTS = ["test_core_algos_on_cpu.py", "test_loss_aggregation_on_cpu.py", "t
 @pytest.fixture
 def counted(monkeypatch):
     """Counts calls of kltriton.token_logprobs (what the integration calls)."""
-    calls = []
-    original = kltriton.token_logprobs
-
-    def token_logprobs(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(kltriton, "token_logprobs", token_logprobs)
-    return calls
+    return CallCounter(monkeypatch, "token_logprobs")
 
 
 def _logits(shape, dtype, seed=0):
@@ -68,7 +61,7 @@ def test_logprobs_and_entropy_match_verl(dtype, counted):
         ent = verl_F.entropy_from_logits(logits)
         ent_chunked = verl_F.entropy_from_logits_with_chunking(logits.reshape(-1, 1031), chunk_size=16)
         entropy_loss = core_algos.compute_entropy_loss(logits, torch.ones(3, 37), "token-mean")
-    assert len(counted) == 4
+    assert counted.calls == 4
     assert lp.dtype == ent.dtype == torch.float32
     # Tolerance: what PyTorch's own log_softmax reaches at this dtype against float64.
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
