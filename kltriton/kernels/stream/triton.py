@@ -153,7 +153,7 @@ def _fold(x, y, m, s, t, my, sy, u, c2, WITH_ENTROPY: tl.constexpr, HAS_REF: tl.
     s, t, sy, u = _rescale(m, s, t, my, sy, u, m_new, my_new, c2, WITH_ENTROPY, HAS_REF, WITH_FULL_KL)
     w = (x - _frame(m_new)[None, :, None]) * c2
     if WITH_ENTROPY or WITH_FULL_KL:
-        w = tl.maximum(w, W_FLOOR)
+        w = tl.maximum(w, W_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit stays NaN
     e = tl.exp2(w)
     s += tl.sum(tl.sum(e, axis=2), axis=0)
     if WITH_ENTROPY:
@@ -361,8 +361,9 @@ def _stream_backward_kernel(
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
-    # Skipped rows and rows without a distribution (all -inf logits) get a zero gradient.
-    live = (target >= 0) & (lse > NEG_INF)
+    # Skipped rows and rows without a finite lse (all -inf logits: -inf; a NaN or +inf logit:
+    # NaN; |logits| / T beyond fp32: +-inf) get a zero gradient, as on every backend.
+    live = (target >= 0) & (lse > NEG_INF) & (lse < float("inf"))
     if live:
         g_logp = tl.load(g_logp_ptr + row)
         x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
@@ -373,7 +374,9 @@ def _stream_backward_kernel(
         if WITH_ENTROPY:
             entropy = tl.load(entropy_ptr + row)
             g_entropy = tl.load(g_entropy_ptr + row)
-            grad -= g_entropy * tl.where(x == NEG_INF, 0.0, p * (log_p + entropy))
+            # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even
+            # where log_p is -inf.
+            grad -= g_entropy * tl.where(p == 0, 0.0, p * (log_p + entropy))
         if WITH_FULL_KL:
             ref_lse = tl.load(ref_lse_ptr + row)
             full_kl = tl.load(full_kl_ptr + row)
@@ -381,7 +384,7 @@ def _stream_backward_kernel(
             y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
             log_q = y * inv_temperature - ref_lse
-            grad += g_full_kl * tl.where(x == NEG_INF, 0.0, p * (log_p - log_q - full_kl))
+            grad += g_full_kl * tl.where(p == 0, 0.0, p * (log_p - log_q - full_kl))
         tl.store(grad_row + offs, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
