@@ -23,7 +23,8 @@ from pathlib import Path
 VOCABS = (32000, 151936, 262144, 50257)  # 50257 (GPT-2): rows not 16-byte aligned
 DTYPES = ("fp32", "bf16", "fp16")
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-QUICK = ((151936, "bf16"), (50257, "fp32"))  # --quick: every variant at these (vocab, dtype)
+# --quick: every variant at these (vocab, dtype): split rows, unaligned rows, one program per row.
+QUICK = ((151936, "bf16"), (50257, "fp32"), (32000, "fp16"))
 
 
 def forward_variants():

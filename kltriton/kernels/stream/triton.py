@@ -211,36 +211,37 @@ def _chunk(x_row, y_row, lo, hi, c2, WITH_ENTROPY: tl.constexpr, HAS_REF: tl.con
 
 
 @triton.jit
-def _finish(row, target, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
-            logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
-    """Store a row's statistics from its merged state (or the skipped-row values for ``target < 0``)."""
-    HAS_REF: tl.constexpr = ref_logp_ptr is not None
-    if target < 0:
-        # Not scored: the row was never read. SKIP -> 0.0, OUT_OF_RANGE -> NaN.
-        skipped = tl.where(target == SKIP, 0.0, float("nan"))
-        tl.store(logp_ptr + row, skipped)
-        tl.store(lse_ptr + row, 0.0)
-        if entropy_ptr is not None:
-            tl.store(entropy_ptr + row, skipped)
-        if HAS_REF:
-            tl.store(ref_logp_ptr + row, skipped)
-            tl.store(ref_lse_ptr + row, 0.0)
+def _store_skipped(row, target, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
+    """A row that is not scored (never read): SKIP -> 0.0, OUT_OF_RANGE -> NaN."""
+    skipped = tl.where(target == SKIP, 0.0, float("nan"))
+    tl.store(logp_ptr + row, skipped)
+    tl.store(lse_ptr + row, 0.0)
+    if entropy_ptr is not None:
+        tl.store(entropy_ptr + row, skipped)
+    if ref_logp_ptr is not None:
+        tl.store(ref_logp_ptr + row, skipped)
+        tl.store(ref_lse_ptr + row, 0.0)
+    if full_kl_ptr is not None:
+        tl.store(full_kl_ptr + row, skipped)
+
+
+@triton.jit
+def _store_stats(row, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
+                 logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
+    """Store a scored row's statistics from its merged state."""
+    f = _frame(m)
+    log_s = tl.log(s)
+    tl.store(logp_ptr + row, _clamp_nonpositive((x_label - f) * inv_temperature - log_s))
+    tl.store(lse_ptr + row, f * inv_temperature + log_s)
+    if entropy_ptr is not None:
+        tl.store(entropy_ptr + row, log_s - t / s * LN2)
+    if ref_logp_ptr is not None:
+        fy = _frame(my)
+        log_sy = tl.log(sy)
+        tl.store(ref_logp_ptr + row, _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy))
+        tl.store(ref_lse_ptr + row, fy * inv_temperature + log_sy)
         if full_kl_ptr is not None:
-            tl.store(full_kl_ptr + row, skipped)
-    else:
-        f = _frame(m)
-        log_s = tl.log(s)
-        tl.store(logp_ptr + row, _clamp_nonpositive((x_label - f) * inv_temperature - log_s))
-        tl.store(lse_ptr + row, f * inv_temperature + log_s)
-        if entropy_ptr is not None:
-            tl.store(entropy_ptr + row, log_s - t / s * LN2)
-        if HAS_REF:
-            fy = _frame(my)
-            log_sy = tl.log(sy)
-            tl.store(ref_logp_ptr + row, _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy))
-            tl.store(ref_lse_ptr + row, fy * inv_temperature + log_sy)
-            if full_kl_ptr is not None:
-                tl.store(full_kl_ptr + row, u / s * LN2 - log_s + log_sy)
+            tl.store(full_kl_ptr + row, u / s * LN2 - log_s + log_sy)
 
 
 @triton.jit
@@ -284,8 +285,8 @@ def _stream_forward_kernel(
                 y_label = tl.load(y_row + target).to(tl.float32)
             m, s, t, my, sy, u = _chunk(x_row, y_row, 0, vocab, c2, WITH_ENTROPY, HAS_REF, WITH_FULL_KL,
                                         ROWS, LANES, VEC)
-            _finish(row, target, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
-                    logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+            _store_stats(row, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
+                         logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
         else:
             part = tl.program_id(1)
             lo = part * CHUNK
@@ -299,8 +300,7 @@ def _stream_forward_kernel(
             tl.store(out + 4, sy)
             tl.store(out + 5, u)
     elif SPLIT == 1:
-        _finish(row, target, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+        _store_skipped(row, target, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
 
 
 @triton.jit
@@ -316,13 +316,11 @@ def _stream_combine_kernel(
     HAS_REF: tl.constexpr = ref_ptr is not None
     row = tl.program_id(0)
     target = tl.load(target_ptr + row)
-    inv_temperature, c2 = _temperature(temperature_ptr, temperature_stride, row)
-    x_label = 0.0
-    y_label = 0.0
-    m, s, t, my, sy, u = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if target >= 0:
+        inv_temperature, c2 = _temperature(temperature_ptr, temperature_stride, row)
         x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         x_label = tl.load(x_row + target).to(tl.float32)
+        y_label = x_label
         if HAS_REF:
             y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y_label = tl.load(y_row + target).to(tl.float32)
@@ -334,8 +332,10 @@ def _stream_combine_kernel(
                                     tl.load(parts + 3, mask=real, other=NEG_INF),
                                     tl.load(parts + 4, mask=real, other=0.0), tl.load(parts + 5, mask=real, other=0.0),
                                     c2, entropy_ptr is not None, HAS_REF, full_kl_ptr is not None)
-    _finish(row, target, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
-            logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+        _store_stats(row, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
+                     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+    else:
+        _store_skipped(row, target, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
 
 
 @triton.jit
