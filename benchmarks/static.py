@@ -148,27 +148,47 @@ def analyse(compiled, elements_per_thread):
     }
 
 
-def report(vocabs=VOCABS, dtypes=DTYPES, cases=None, arch=90):
-    """Rows for every kernel variant at each (vocab, dtype) (or the given ``cases``)."""
+def _tasks(cases):
+    """(vocab, dtype, kernel name, Launch, variant name, absent arguments) of every compile."""
     from kltriton.kernels.stream import triton as ts
 
-    rows = []
-    for vocab, dtype in cases or itertools.product(vocabs, dtypes):
+    for vocab, dtype in cases:
         for kernel_name, launch, ref in ts.launches(vocab, BYTES[dtype]):
             kernel = getattr(ts, kernel_name)
             variants = backward_variants() if "backward" in kernel_name else forward_variants()
             for name, has_ref, absent in variants:
-                if ref is not None and has_ref != ref:
-                    continue
-                absent = [a for a in absent if a in kernel.arg_names]
-                constants = dict({a: None for a in absent}, **launch.constexprs)
-                compiled = compile_kernel(kernel, dtype, vocab, constants, launch.options, arch)
-                threads = 32 * launch.options["num_warps"]
-                row = dict(kernel=kernel_name, variant=name, vocab=vocab, dtype=dtype, arch=f"sm_{arch}",
-                           constexprs=launch.constexprs, **launch.options)
-                row.update(analyse(compiled, max(1, launch.elements_per_iteration // threads)))
-                rows.append(row)
-                print(_line(row), flush=True)
+                if ref is None or has_ref == ref:
+                    yield vocab, dtype, kernel_name, launch, name, [a for a in absent if a in kernel.arg_names]
+
+
+def _compile_and_analyse(task, arch):
+    from kltriton.kernels.stream import triton as ts
+
+    vocab, dtype, kernel_name, launch, name, absent = task
+    constants = dict({a: None for a in absent}, **launch.constexprs)
+    compiled = compile_kernel(getattr(ts, kernel_name), dtype, vocab, constants, launch.options, arch)
+    row = dict(kernel=kernel_name, variant=name, vocab=vocab, dtype=dtype, arch=f"sm_{arch}",
+               constexprs=launch.constexprs, **launch.options)
+    threads = 32 * launch.options["num_warps"]
+    row.update(analyse(compiled, max(1, launch.elements_per_iteration // threads)))
+    return row
+
+
+def report(vocabs=VOCABS, dtypes=DTYPES, cases=None, arch=90, jobs=1):
+    """Rows for every kernel variant at each (vocab, dtype) (or the given ``cases``), compiled by
+    ``jobs`` processes."""
+    tasks = list(_tasks(cases or list(itertools.product(vocabs, dtypes))))
+    if jobs > 1:
+        import concurrent.futures
+        import functools
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = list(pool.map(functools.partial(_compile_and_analyse, arch=arch), tasks))
+    else:
+        rows = [_compile_and_analyse(task, arch) for task in tasks]
+    for row in rows:
+        print(_line(row), flush=True)
     return rows
 
 
@@ -199,13 +219,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="directory for the JSON (default: print only)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90)")
     parser.add_argument("--quick", action="store_true", help=f"only (vocab, dtype) in {QUICK}")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
     if "kltriton.kernels.stream.triton" in sys.modules:
         raise RuntimeError("import the Triton kernels after TRITON_INTERPRET=0 (run in a fresh process)")
     import triton
 
-    rows = report(cases=QUICK if args.quick else None, arch=args.arch)
+    rows = report(cases=QUICK if args.quick else None, arch=args.arch, jobs=args.jobs)
     found = problems(rows)
     for p in found:
         print("PROBLEM:", p)
