@@ -14,7 +14,7 @@
 namespace kltriton_cpp {
 namespace {
 
-constexpr int64_t kBlockVecs = 32;
+constexpr int64_t kBlockVecs = 64;
 constexpr double kLn2 = 0.693147180559945309;
 constexpr double kLog2e = 1.44269504088896341;  // vectors per block (2 KiB of fp32 on AVX512 per tensor)
 
