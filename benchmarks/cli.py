@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks import compare, harness
 
-OPS = ("token_logprobs", "token_kl", "fused_kl_reward")
+OPS = ("token_logprobs", "token_kl", "fused_kl_reward", "policy_loss")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

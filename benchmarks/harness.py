@@ -163,10 +163,15 @@ def _mode_fn(fn, inputs: Inputs, mode: str):
                 return fn(x)
         return forward
     x.requires_grad_(True)
+    # A loss (0-dim output) gets the implicit unit upstream gradient of ``loss.backward()``.
+    upstream = lambda out: inputs.grad_out if out.dim() else None  # noqa: E731
     if mode == "backward":
         out = fn(x)
-        return lambda: torch.autograd.grad(out, x, inputs.grad_out, retain_graph=True)
-    return lambda: torch.autograd.grad(fn(x), x, inputs.grad_out)
+        return lambda: torch.autograd.grad(out, x, upstream(out), retain_graph=True)
+    def fwd_bwd():
+        out = fn(x)
+        return torch.autograd.grad(out, x, upstream(out))
+    return fwd_bwd
 
 
 # --- peak memory --------------------------------------------------------------------------------

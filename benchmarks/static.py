@@ -46,22 +46,25 @@ def backward_variants():
         yield name, full, absent
 
 
-def _arg_type(name, dtype):
+def _arg_type(name, dtype, ref_dtype=None):
     if name == "target_ptr":
         return "*i64"
     if name == "temperature_ptr":
         return "*fp64"
-    if name in ("logits_ptr", "ref_ptr", "grad_ptr"):
+    if name == "ref_ptr":
+        return "*" + (ref_dtype or dtype)
+    if name in ("logits_ptr", "grad_ptr"):
         return "*" + dtype
     if name.endswith("_ptr"):
         return "*fp32"
     return "i64" if "stride" in name else "i32"
 
 
-def compile_kernel(kernel, dtype, vocab, constants, options, arch=90):
+def compile_kernel(kernel, dtype, vocab, constants, options, arch=90, ref_dtype=None):
     """Compile ``kernel`` as the launcher would specialize it for contiguous ``[N, vocab]`` rows:
     pointers 16-byte aligned, integers divisible by 16 marked so (Triton's default specialization),
-    ``constants`` (absent tensors as None, constexprs) baked in. Returns the CompiledKernel."""
+    ``constants`` (absent tensors as None, constexprs) baked in, the reference in ``ref_dtype``
+    (default ``dtype``). Returns the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -74,7 +77,7 @@ def compile_kernel(kernel, dtype, vocab, constants, options, arch=90):
             signature[name] = "constexpr"
             constexprs[(i,)] = constants[name]
             continue
-        signature[name] = _arg_type(name, dtype)
+        signature[name] = _arg_type(name, dtype, ref_dtype)
         if name.endswith("_ptr") or ints.get(name, 1) % 16 == 0:
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)

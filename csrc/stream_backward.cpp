@@ -42,8 +42,30 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   }
 }
 
-template <typename T, int MODE>
-void backward_row(const T* x, const T* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
+// The coefficients of row n's gradient for upstream gradients gl (log-prob), ge (entropy H) and
+// gk (full KL K); lse / rlse are the row's policy / reference log-sum-exp.
+inline RowCoef row_coef(const Temperatures& temp, int64_t n, float lse, float rlse, float gl, float ge, float H,
+                        float gk, float K) {
+  float hi;
+  double lo;
+  temp.inverse(n, hi, lo);
+  const double inv = static_cast<double>(hi) + lo;
+  RowCoef k;
+  k.hi = hi;
+  k.lo = static_cast<float>(lo);
+  k.lse = lse;
+  k.rlse = rlse;
+  const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
+                   (gk != 0.f ? double(gk) * K : 0.0);
+  k.A = static_cast<float>(inv * A);
+  k.B = static_cast<float>(inv * (double(ge) - double(gk)));
+  k.C = static_cast<float>(inv * gk);
+  k.gl_inv = static_cast<float>(inv * gl);
+  return k;
+}
+
+template <typename T, typename R, int MODE>
+void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.A), vB(k.B), vC(k.C);
   const Vec zero(0.f), nA(-k.A), lowest(kLowest);
   auto grad_vec = [&](const Vec& xraw, const Vec& yraw) -> Vec {
@@ -84,7 +106,7 @@ struct Inputs {
   const float *lse, *rlse, *gl, *ge, *ent, *gk, *kl;
 };
 
-template <typename T, int MODE>
+template <typename T, typename R, int MODE>
 void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                   const Inputs& in, at::Tensor& grad, const Temperatures& temp) {
   const int64_t N = grad.size(0), V = grad.size(1);
@@ -105,22 +127,8 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
       const float H = (MODE & kEntropy) ? in.ent[n] : 0.f;
       const float gk = (MODE & kFullKl) ? in.gk[n] : 0.f;
       const float K = (MODE & kFullKl) ? in.kl[n] : 0.f;
-      float hi;
-      double lo;
-      temp.inverse(n, hi, lo);
-      const double inv = static_cast<double>(hi) + lo;
-      RowCoef k;
-      k.hi = hi;
-      k.lo = static_cast<float>(lo);
-      k.lse = lse;
-      k.rlse = (MODE & kFullKl) ? in.rlse[n] : 0.f;
-      const double A = static_cast<double>(gl) + (ge != 0.f ? double(ge) * H : 0.0) +
-                       (gk != 0.f ? double(gk) * K : 0.0);
-      k.A = static_cast<float>(inv * A);
-      k.B = static_cast<float>(inv * (double(ge) - double(gk)));
-      k.C = static_cast<float>(inv * gk);
-      k.gl_inv = static_cast<float>(inv * gl);
-      backward_row<T, MODE>(X.row<T>(n), (MODE & kFullKl) ? Y.row<T>(n) : nullptr, g, V, tg, k);
+      const RowCoef k = row_coef(temp, n, lse, (MODE & kFullKl) ? in.rlse[n] : 0.f, gl, ge, H, gk, K);
+      backward_row<T, R, MODE>(X.row<T>(n), (MODE & kFullKl) ? Y.row<R>(n) : nullptr, g, V, tg, k);
     }
   });
 }
@@ -150,6 +158,7 @@ at::Tensor as_f32_vec(const std::optional<at::Tensor>& t, int64_t N, const char*
 
 }  // namespace
 
+#ifndef KLTRITON_ROW_KERNELS_ONLY
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                            const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
@@ -179,8 +188,6 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
-    TORCH_CHECK(ref3d->scalar_type() == logits3d.scalar_type(),
-                "kltriton_cpp: ref_logits must have the dtype of logits");
     gk_f = as_f32_vec(g_full_kl, N, "g_full_kl");
     kl_f = as_f32_vec(full_kl, N, "full_kl");
     rlse_f = as_f32_vec(ref_lse, N, "ref_lse");
@@ -193,13 +200,22 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   advise_huge_pages(grad);
   const int mode = (has_ent ? kEntropy : 0) | (has_kl ? kRef | kFullKl : 0);
-  with_dtype(logits3d.scalar_type(), [&](auto tag) {
+  // The reference is read only for the full-KL term.
+  const std::optional<at::Tensor> ref_read = has_kl ? ref3d : std::nullopt;
+  with_dtypes(logits3d.scalar_type(), ref_read, [&](auto tag, auto ref_tag) {
     using T = typename decltype(tag)::type;
-    with_mode<0, kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-      run_backward<T, decltype(m)::value>(logits3d, ref3d, in, grad, temp);
-    });
+    using R = typename decltype(ref_tag)::type;
+    if (has_kl) {
+      with_mode<kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+        run_backward<T, R, decltype(m)::value>(logits3d, ref3d, in, grad, temp);
+      });
+    } else if constexpr (std::is_same_v<T, R>) {
+      with_mode<0, kEntropy>(mode, [&](auto m) { run_backward<T, T, decltype(m)::value>(logits3d, ref3d, in, grad, temp); });
+    }
   });
   return grad;
 }
+
+#endif  // KLTRITON_ROW_KERNELS_ONLY
 
 }  // namespace kltriton_cpp

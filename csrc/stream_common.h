@@ -51,6 +51,20 @@ inline void with_dtype(at::ScalarType dtype, F&& fn) {
   }
 }
 
+// fn(TypeTag<T>{}, TypeTag<R>{}): T of the logits, R of the reference logits (its own dtype: a bf16
+// policy with an fp32 reference is read as it is, never copied). Without a reference R = T, so
+// the variants that never read one are instantiated once per T.
+template <typename F>
+inline void with_dtypes(at::ScalarType dtype, const std::optional<at::Tensor>& ref, F&& fn) {
+  with_dtype(dtype, [&](auto tag) {
+    if (ref.has_value()) {
+      with_dtype(ref->scalar_type(), [&](auto ref_tag) { fn(tag, ref_tag); });
+    } else {
+      fn(tag, tag);
+    }
+  });
+}
+
 // fn(std::integral_constant<int, M>{}) for the runtime bitmask `mode`, which must be one of MODES
 // (the variants a kernel instantiates).
 template <int... MODES, typename F>
@@ -255,5 +269,15 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
                            const std::optional<at::Tensor>& entropy,
                            const std::optional<at::Tensor>& g_full_kl,
                            const std::optional<at::Tensor>& full_kl);
+
+std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                     const at::Tensor& target, const at::Tensor& temperature,
+                                     const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
+                                     const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
+                                     const std::optional<at::Tensor>& ref_logp, const at::Tensor& bounds,
+                                     int64_t loss_type, int64_t estimator, bool straight_through,
+                                     bool entropy_grad, bool with_grad);
+
+void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 
 }  // namespace kltriton_cpp

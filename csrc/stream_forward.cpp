@@ -4,8 +4,9 @@
 //
 // Numerics (as the Triton kernel): exponents are in base-2 units, c = log2(e) / T (2^z costs one
 // multiply less than e^z). The running max m is kept in raw logit units per SIMD lane and
-// z = (x - m) * c: the max itself has z = 0 and e = 1 exactly, x - m is exact for the values that
-// matter (Sterbenz), and only the rounding of c (relative 6e-8) scales every z alike. The vocabulary is streamed in L1-sized blocks: the
+// z = (x - m) * c <= 0: the max itself has z = 0 and e = 1 exactly, x - m is exact for the values
+// that matter (Sterbenz) and may overflow only to -inf (e = 0), and the rounding of c (relative
+// 6e-8) scales every z alike. The vocabulary is streamed in L1-sized blocks: the
 // block max is taken first, the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (zx - zy))
 // is rescaled once per block, then the block's exponentials are accumulated from L1. Each row
 // is read from memory once. The SIMD lanes are combined in double at the end of the row.
@@ -14,9 +15,9 @@
 namespace kltriton_cpp {
 namespace {
 
-constexpr int64_t kBlockVecs = 64;
+constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
 constexpr double kLn2 = 0.693147180559945309;
-constexpr double kLog2e = 1.44269504088896341;  // vectors per block (2 KiB of fp32 on AVX512 per tensor)
+constexpr double kLog2e = 1.44269504088896341;
 
 struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
@@ -40,12 +41,12 @@ struct LaneState {
       bx = vmax(bx, ldx(i));
       if constexpr (REF) by = vmax(by, ldy(i));
     }
-    // Rescale the lane sums to the new frame mi (the max, 0 while the lane is empty). A lane that
-    // was empty (max -inf) has zero sums and gets a factor 0 (avoids exp(+big) * 0). A factor that
-    // underflows to 0 (the max grew by > ~100 T, or dx overflowed: finfo.min to finfo.max) makes
+    // Rescale the lane sums to the new frame. A lane that was empty (max -inf) has zero sums
+    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the max grew
+    // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
     // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
-    const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);
+    const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
     const Vec dx = (mixn - mix) * vinv;
     const Vec ax = Vec::blendv(vexp2(zero - dx), zero, mx == ninf);
     const Vec ax_zero = ax == zero;
@@ -65,7 +66,7 @@ struct LaneState {
     mx = mxn;
     mix = mixn;
 
-    // Block sums relative to the new shift, two accumulators each (independent add chains).
+    // Block sums relative to the new frame, two accumulators each (independent add chains).
     const Vec lowest(kLowest);
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
     auto step = [&](int64_t i, int j) {
@@ -105,7 +106,8 @@ struct Combined {
   double s = 0.0, t = 0.0;
 };
 
-// Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame; c = log2(e) / T.
+// Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame;
+// scale = log2(e) / T.
 inline Combined combine(const float* m, const float* mi, const float* s, const float* t, double scale) {
   Combined c;
   c.mi = -std::numeric_limits<double>::infinity();
@@ -130,17 +132,18 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   return c;
 }
 
-// c = log2(e) / T (cf: rounded to float, for the vector code); every exponent of the row is in base-2
-// units, the results in natural units.
-template <typename T, int MODE>
-RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float cf, double c) {
+// hi + lo = 1 / T (Temperatures::inverse). Exponents are in base-2 units (c = log2(e) / T), the
+// results in natural units.
+template <typename T, typename R, int MODE>
+RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  LaneState<MODE> st(cf);
+  const double c = (static_cast<double>(hi) + lo) * kLog2e;
+  LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
     const T* px = x + v0 * kW;
-    const T* py = REF ? y + v0 * kW : nullptr;
+    const R* py = REF ? y + v0 * kW : nullptr;
     st.block(
         nv, [px](int64_t i) { return load_f(px + i * kW); },
         [py](int64_t i) { return load_f(py + i * kW); });
@@ -212,7 +215,7 @@ RowOut forward_row(const T* x, const T* y, int64_t V, int64_t label, float cf, d
   return r;
 }
 
-template <typename T, int MODE>
+template <typename T, typename R, int MODE>
 void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                  const int64_t* tgt, int64_t N, int64_t V, const Temperatures& temp, float* logp,
                  float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
@@ -228,11 +231,10 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
         const float v = tg == kSkip ? 0.f : kNaN;
         r = RowOut{v, 0.f, v, v, 0.f, v};
       } else {
-        float inv_hi;
-        double inv_lo;
-        temp.inverse(n, inv_hi, inv_lo);
-        const double c = (static_cast<double>(inv_hi) + inv_lo) * kLog2e;  // log2(e) / T
-        r = forward_row<T, MODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, static_cast<float>(c), c);
+        float hi;
+        double lo;
+        temp.inverse(n, hi, lo);
+        r = forward_row<T, R, MODE>(X.row<T>(n), REF ? Y.row<R>(n) : nullptr, V, tg, hi, lo);
       }
       logp[n] = r.logp;
       lse[n] = r.lse;
@@ -248,6 +250,7 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
 
 }  // namespace
 
+#ifndef KLTRITON_ROW_KERNELS_ONLY
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
                                        const at::Tensor& target, const at::Tensor& temperature,
@@ -260,8 +263,6 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
-    TORCH_CHECK(ref3d->scalar_type() == logits3d.scalar_type(),
-                "kltriton_cpp: ref_logits must have the dtype of logits");
   }
   const auto f32 = logits3d.options().dtype(at::kFloat);
   auto out = [&](bool wanted) { return at::empty({wanted ? N : 0}, f32); };
@@ -276,14 +277,23 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                    has_ref ? rlse.data_ptr<float>() : nullptr,
                    with_full_kl ? fkl.data_ptr<float>() : nullptr};
     const int mode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (with_full_kl ? kFullKl : 0);
-    with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    with_dtypes(logits3d.scalar_type(), ref3d, [&](auto tag, auto ref_tag) {
       using T = typename decltype(tag)::type;
-      with_mode<0, kEntropy, kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-        run_forward<T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
-      });
+      using R = typename decltype(ref_tag)::type;
+      if (has_ref) {
+        with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+          run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      } else if constexpr (std::is_same_v<T, R>) {
+        with_mode<0, kEntropy>(mode, [&](auto m) {
+          run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
+        });
+      }
     });
   }
   return {logp, lse, ent, rlogp, rlse, fkl};
 }
+
+#endif  // KLTRITON_ROW_KERNELS_ONLY
 
 }  // namespace kltriton_cpp

@@ -29,12 +29,19 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, "
       "Tensor lse, Tensor? ref_lse, Tensor g_logp, Tensor? g_entropy, Tensor? entropy, "
       "Tensor? g_full_kl, Tensor? full_kl) -> Tensor");
+  m.def(
+      "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
+      "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor bounds, "
+      "int loss_type, int estimator, bool straight_through, bool entropy_grad, bool with_grad) -> Tensor[]");
+  m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
 }
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("stream_forward", &kltriton_cpp::stream_forward);
   m.impl("stream_backward", &kltriton_cpp::stream_backward);
+  m.impl("loss_forward", &kltriton_cpp::loss_forward);
+  m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
@@ -42,4 +49,6 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
 TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("stream_forward", torch::CppFunction::makeFallthrough());
   m.impl("stream_backward", torch::CppFunction::makeFallthrough());
+  m.impl("loss_forward", torch::CppFunction::makeFallthrough());
+  m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
 }

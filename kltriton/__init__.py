@@ -5,8 +5,10 @@ backends load on first use.
 """
 from kltriton import controllers, dispatch
 from kltriton._inputs import set_validation
-from kltriton.dropins import logprobs_of_labels, selective_log_softmax
+from kltriton.dropins import (entropy_from_logits, logprobs_of_labels, selective_log_softmax,
+                              selective_log_softmax_and_entropy)
 from kltriton.ops.fused_kl_reward import KLReward, fused_kl_reward
+from kltriton.ops.policy_loss import PolicyLossOutput, policy_loss
 from kltriton.ops.token_kl import KLOutput, token_kl
 from kltriton.ops.token_logprobs import token_logprobs
 
@@ -15,11 +17,15 @@ __version__ = "0.1.0"
 __all__ = [
     "KLOutput",
     "KLReward",
+    "PolicyLossOutput",
     "controllers",
     "dispatch",
+    "entropy_from_logits",
     "fused_kl_reward",
     "logprobs_of_labels",
+    "policy_loss",
     "selective_log_softmax",
+    "selective_log_softmax_and_entropy",
     "set_validation",
     "token_kl",
     "token_logprobs",

@@ -4,6 +4,7 @@ Everything here is ``O(N)`` work on the label side. It turns ``labels`` / ``mask
 ``ignore_index`` / ``cu_seqlens`` / ``shift_labels`` into one flat ``target`` (see
 ``kltriton.kernels``) so the kernels only ever see ``[N, V]`` rows and a label per row.
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -64,23 +65,45 @@ def runtime_scalar(value, device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float64, device=device) * value
 
 
-def check_temperature(temperature, device) -> torch.Tensor:
-    if isinstance(temperature, torch.Tensor) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a python float, got {type(temperature).__name__}")
+def check_temperature(temperature, device, shape=None) -> torch.Tensor:
+    """``temperature`` as the kernels take it: a float64 tensor, 0-dim or ``[N]`` (one per position).
+
+    Accepts a python float, a 0-dim floating tensor, or (when ``shape``, the logits' leading shape
+    ``S``, is given) a floating tensor of shape ``S`` (e.g. verl's per-sample temperature repeated
+    over its tokens). A tensor is data, so a new value never recompiles under ``torch.compile``.
+    Positive and finite, else ``ValueError``: checked for a float in eager calls, and for a tensor
+    only with the host checks on (it reads the values: a sync).
+    """
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(f"temperature must be a float or a floating tensor, got {temperature.dtype}")
+        if temperature.dim() != 0 and (shape is None or tuple(temperature.shape) != tuple(shape)):
+            expected = "0-dim" if shape is None else f"0-dim or of shape {tuple(shape)} (the logits' leading shape)"
+            raise ValueError(f"temperature must be {expected}, got shape {tuple(temperature.shape)}")
+        if temperature.device != torch.device(device):
+            raise ValueError(f"temperature is on {temperature.device} but logits are on {device}")
+        if host_checks() and temperature.numel() and not bool(
+                ((temperature > 0) & torch.isfinite(temperature)).all()):
+            raise ValueError("temperature must be > 0 and finite everywhere")
+        t = temperature.detach().to(torch.float64)
+        return t if t.dim() == 0 else t.reshape(-1).contiguous()
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a python float or a floating tensor, got {type(temperature).__name__}")
     # While torch.compile traces, the float is a symbolic graph input: comparing it would
     # specialize the graph on its value, so the range check runs in eager calls only.
-    if not torch.compiler.is_compiling() and not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not torch.compiler.is_compiling() and not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     return runtime_scalar(temperature, device)
 
 
 def _check_same_leading(name, tensor, logits, integer=False, boolean=False):
+    """``integer``: an integer tensor; ``boolean``: bool or integer (a Hugging Face attention_mask)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {tensor.dtype}")
-    if boolean and tensor.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {tensor.dtype}")
+    if boolean and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        raise TypeError(f"{name} must be a bool or integer tensor (0 = not scored), got {tensor.dtype}")
     if tuple(tensor.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"{name} must have shape {tuple(logits.shape[:-1])} (the logits' leading "
                          f"shape), got {tuple(tensor.shape)}")
@@ -127,17 +150,26 @@ def _last_positions(cu_seqlens, n):
     return torch.remainder(cu_seqlens[1:].long() - 1, n)
 
 
-def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False) -> Layout:
-    """Validate the label-side arguments against ``logits`` and build the flat ``target``."""
+def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False,
+                 vocab=None) -> Layout:
+    """Validate the label-side arguments against ``logits`` and build the flat ``target``.
+    Labels must lie in ``[0, vocab)``, ``vocab`` defaulting to ``logits.shape[-1]`` (the global
+    vocabulary of vocab-parallel logits is larger than their last dim)."""
+    if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == logits.dim() - 1 >= 1
+            and labels.shape[:-1] == logits.shape[:-2] and labels.shape[-1] == logits.shape[-2] + 1):
+        raise ValueError(f"labels {tuple(labels.shape)} are one longer than the logits' positions "
+                         f"{tuple(logits.shape[:-1])}: pass the unsliced logits with shift_labels=True, or sliced "
+                         f"logits with labels[:, 1:] and shift_labels=False")
     _check_same_leading("labels", labels, logits, integer=True)
     if mask is not None:
         _check_same_leading("mask", mask, logits, boolean=True)
+        mask = mask if mask.dtype == torch.bool else mask != 0
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, logits)
     shape = logits.shape[:-1]
-    vocab = logits.shape[-1]
+    vocab = logits.shape[-1] if vocab is None else vocab
     n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")

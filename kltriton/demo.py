@@ -1,11 +1,12 @@
 """The main job: KL-shaped rewards for a packed batch from two tiny causal LMs, fused vs eager.
 
-``python -m kltriton demo`` builds a small Llama-style model from a config (random weights,
-nothing downloaded) as the policy and a perturbed copy as the reference, packs prompts of
-different lengths into one flat batch, and runs ``fused_kl_reward`` on it. It prints a
-per-sequence table, checks the result against the eager torchrl-style computation
-(``log_softmax`` of both models + gather + mask + ``reward - coef * kl``), and reports the
-time and peak memory of both on the same logits.
+``python -m kltriton demo [--tokens N] [--vocab V] [--coef C] [--device D]`` builds a small
+Llama-style model from a config (random weights, nothing downloaded) as the policy and a perturbed
+copy as the reference, packs sequences of different lengths into one flat batch of N tokens, and
+runs ``fused_kl_reward`` on it. It prints a per-sequence table, checks the result against the eager
+torchrl-style computation (``log_softmax`` of both models + gather + mask + ``reward - coef * kl``),
+and reports the time (median of several runs, with the range) and peak memory of both on the same
+logits.
 """
 import argparse
 import os
@@ -19,7 +20,8 @@ import torch
 
 import kltriton
 
-LENGTHS = (37, 12, 64, 5, 90, 23)
+TOKENS = 2048
+SEQUENCES = 8
 VOCAB = 32000
 COEF = 0.1
 
@@ -29,7 +31,7 @@ def build_models(vocab: int, device: str):
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     policy = LlamaForCausalLM(config).to(device).eval()
     reference = LlamaForCausalLM(config).to(device).eval()
     reference.load_state_dict(policy.state_dict())
@@ -69,6 +71,7 @@ def fused(logits, ref_logits, ids, cu_seqlens, scores, coef):
 
 
 def _timed(fn, device, repeats=7):
+    """``(median, min, max)`` wall time of ``fn`` in ms over ``repeats`` runs after a warm-up."""
     fn()
     times = []
     for _ in range(repeats):
@@ -78,11 +81,11 @@ def _timed(fn, device, repeats=7):
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times), max(times)
 
 
-def _peak_bytes(call, inputs, which, device):
+def _peak_bytes(call, inputs, which, device, coef):
     """Peak memory of ``call()`` above its inputs: the CUDA allocator's peak on GPU; on CPU the
     peak resident size (VmHWM, reset through /proc/self/clear_refs) of a fresh process that
     loads ``inputs`` and runs the ``which`` path once."""
@@ -96,7 +99,7 @@ def _peak_bytes(call, inputs, which, device):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "inputs.pt")
         torch.save(inputs, path)
-        code = f"from kltriton.demo import _child_peak; _child_peak({path!r}, {which!r})"
+        code = f"from kltriton.demo import _child_peak; _child_peak({path!r}, {which!r}, {coef!r})"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(done.stdout.strip().splitlines()[-1])
 
@@ -109,11 +112,11 @@ def _status_kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _child_peak(path, which):
+def _child_peak(path, which, coef):
     data = torch.load(path)
     fn = fused if which == "fused" else eager_rewards
-    args = (data["logits"], data["ref_logits"], data["ids"], data["cu_seqlens"], data["scores"], COEF)
-    tiny = (args[0][:2], args[1][:2], args[2][:2], torch.tensor([0, 2]), args[4][:1], COEF)
+    args = (data["logits"], data["ref_logits"], data["ids"], data["cu_seqlens"], data["scores"], coef)
+    tiny = (args[0][:2], args[1][:2], args[2][:2], torch.tensor([0, 2]), args[4][:1], coef)
     fn(*tiny)  # warm up imports, kernel loading and thread pools on 2 rows, not on the real data
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # reset the peak RSS to the current RSS
@@ -122,47 +125,66 @@ def _child_peak(path, which):
     print((_status_kib("VmHWM") - base) * 1024)
 
 
+def _lengths(tokens: int, sequences: int, gen) -> list:
+    """``sequences`` random lengths (at least 2 each) adding up to ``tokens``."""
+    cuts = torch.randperm(tokens - 2 * sequences + 1, generator=gen)[:sequences - 1].sort().values.tolist()
+    bounds = [0, *cuts, tokens - 2 * sequences]
+    return [2 + hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m kltriton demo", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"packed tokens (default {TOKENS})")
+    parser.add_argument("--sequences", type=int, default=SEQUENCES, help=f"sequences (default {SEQUENCES})")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
+    parser.add_argument("--coef", type=float, default=COEF, help=f"KL coefficient (default {COEF})")
     args = parser.parse_args(argv)
-    device = args.device
+    if args.sequences < 1 or args.tokens < 2 * args.sequences:
+        parser.error("--tokens must be at least 2 x --sequences, and --sequences at least 1")
+    device, coef = args.device, args.coef
 
     policy, reference = build_models(args.vocab, device)
     gen = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, args.vocab, (n,), generator=gen).to(device) for n in LENGTHS]
+    lengths = _lengths(args.tokens, args.sequences, gen)
+    sequences = [torch.randint(0, args.vocab, (n,), generator=gen).to(device) for n in lengths]
     ids = torch.cat(sequences)
-    cu_seqlens = torch.tensor([0, *LENGTHS], device=device).cumsum(0)
-    scores = (torch.randn(len(LENGTHS), generator=gen) * 3).to(device)
+    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0)
+    scores = (torch.randn(len(lengths), generator=gen) * 3).to(device)
     logits, ref_logits = packed_logits(policy, sequences), packed_logits(reference, sequences)
     backend = kltriton.dispatch.resolve(None, "stream", logits.device.type, False)
+    mib = 2.0 ** 20
     print(f"policy/reference: Llama, vocab {args.vocab}, 2 layers, random weights; device {device}, "
           f"backend {backend}")
-    print(f"packed batch: {len(LENGTHS)} sequences, {ids.numel()} tokens, logits {tuple(logits.shape)} "
-          f"{str(logits.dtype).replace('torch.', '')}\n")
+    print(f"packed batch: {len(lengths)} sequences, {ids.numel()} tokens, logits {tuple(logits.shape)} "
+          f"{str(logits.dtype).replace('torch.', '')} ({logits.numel() * logits.element_size() / mib:.0f} MiB "
+          f"per model); coef {coef}\n")
 
-    out = fused(logits, ref_logits, ids, cu_seqlens, scores, COEF)
-    eager_reward, eager_kl = eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, COEF)
-    print(f"{'seq':>3} {'tokens':>6} {'scored':>6} {'mean k1 KL':>10} {'score':>7} {'sum reward':>11}")
-    for s, n in enumerate(LENGTHS):
+    out = fused(logits, ref_logits, ids, cu_seqlens, scores, coef)
+    k3 = kltriton.token_kl(logits, ref_logits, ids, estimator="k3", cu_seqlens=cu_seqlens, shift_labels=True).kl
+    eager_reward, eager_kl = eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, coef)
+    print(f"{'seq':>3} {'tokens':>6} {'scored':>6} {'mean k1 KL':>10} {'mean k3 KL':>10} {'score':>7} "
+          f"{'sum reward':>11}")
+    for s, n in enumerate(lengths):
         span = slice(int(cu_seqlens[s]), int(cu_seqlens[s + 1]))
-        print(f"{s:>3} {n:>6} {max(n - 1, 0):>6} {out.kl_per_seq[s].item():>10.5f} {scores[s].item():>7.3f} "
-              f"{out.reward[span].sum().item():>11.4f}")
+        print(f"{s:>3} {n:>6} {n - 1:>6} {out.kl_per_seq[s].item():>10.5f} {k3[span].sum().item() / (n - 1):>10.5f} "
+              f"{scores[s].item():>7.3f} {out.reward[span].sum().item():>11.4f}")
+    print("k1 = logp - ref_logp is an unbiased estimate of KL(policy || ref) whose per-token (and small-sample) "
+          "value can be negative;\nk3 = exp(-k1) + k1 - 1 is never negative (TRL's GRPO, verl's low_var_kl).")
     err = max((out.reward - eager_reward).abs().max().item(), (out.kl - eager_kl).abs().max().item())
     agree = err < 1e-4
     print(f"\nagreement with eager: max |difference| = {err:.2e} -> {'OK' if agree else 'MISMATCH'}")
 
-    run_fused = lambda: fused(logits, ref_logits, ids, cu_seqlens, scores, COEF)  # noqa: E731
-    run_eager = lambda: eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, COEF)  # noqa: E731
+    run_fused = lambda: fused(logits, ref_logits, ids, cu_seqlens, scores, coef)  # noqa: E731
+    run_eager = lambda: eager_rewards(logits, ref_logits, ids, cu_seqlens, scores, coef)  # noqa: E731
     t_fused, t_eager = _timed(run_fused, device), _timed(run_eager, device)
     inputs = {"logits": logits, "ref_logits": ref_logits, "ids": ids, "cu_seqlens": cu_seqlens, "scores": scores}
-    mem_fused = _peak_bytes(run_fused, inputs, "fused", device)
-    mem_eager = _peak_bytes(run_eager, inputs, "eager", device)
-    mib = 2.0 ** 20
-    print(f"\n{'':<22}{'time (ms)':>10}{'peak extra memory (MiB)':>26}")
-    print(f"{'kltriton (' + backend + ')':<22}{t_fused:>10.2f}{mem_fused / mib:>26.1f}")
-    print(f"{'eager torchrl-style':<22}{t_eager:>10.2f}{mem_eager / mib:>26.1f}")
-    print(f"speed-up {t_eager / t_fused:.1f}x, logits are {logits.numel() * logits.element_size() / mib:.1f} MiB "
-          f"per model")
+    mem_fused = _peak_bytes(run_fused, inputs, "fused", device, coef)
+    mem_eager = _peak_bytes(run_eager, inputs, "eager", device, coef)
+    print(f"\n{'':<22}{'time ms (median, min-max of 7)':>32}{'peak extra memory (MiB)':>26}")
+    for name, (med, lo, hi), mem in ((f"kltriton ({backend})", t_fused, mem_fused),
+                                     ("eager torchrl-style", t_eager, mem_eager)):
+        print(f"{name:<22}{med:>14.1f} ({lo:7.1f} - {hi:7.1f}){mem / mib:>26.1f}")
+    print(f"speed-up {t_eager[0] / t_fused[0]:.1f}x (median), {t_eager[1] / t_fused[2]:.1f}x worst case "
+          f"(fastest eager vs slowest kltriton)")
     return 0 if agree else 1

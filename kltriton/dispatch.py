@@ -9,6 +9,7 @@ imports Triton nor compiles anything, and never touches CUDA.
 ``triton/backends``, Triton's own backends folder, and ``kltriton/backends.py`` matches.)
 """
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 
@@ -16,6 +17,7 @@ BACKENDS = ("triton", "cpp", "reference")
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
     "stream": "statistics streamed over rows of logits",
+    "loss": "policy loss with its logits gradient produced in the forward",
 }
 # The automatic choice per device, in order of preference.
 _PREFERENCE = {"cuda": ("triton", "reference"), "cpu": ("cpp", "reference")}
@@ -35,7 +37,10 @@ def _backend_availability(backend: str):
         return True, "plain PyTorch, always available"
     if backend == "triton":
         if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed (pip install triton; it runs CUDA tensors)"
+            return False, "triton is not installed (CUDA builds of torch bring it; or pip install kltriton[triton])"
+        version = importlib.metadata.version("triton")
+        if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (3, 6):
+            return False, f"triton {version} is older than 3.6, the oldest tested"
         if triton_interpreted():
             if importlib.util.find_spec("numpy") is None:
                 return False, "TRITON_INTERPRET=1 is set but Triton's interpreter needs numpy (pip install numpy)"

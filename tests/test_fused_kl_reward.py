@@ -19,7 +19,8 @@ def padded_batch(batch=4, width=9, vocab=307, dtype=torch.float32, seed=0):
 
 
 def shaped_by_hand(kl, mask, coef, scores=None, score_clip=None, rewards=None):
-    """The contract written out: per-token ``rewards - coef * kl`` + clipped score at the last scored position."""
+    """The contract written out: per-token ``rewards - coef * kl`` + clipped score at the last scored position.
+    ``kl`` is 0 where not scored, so ``rewards`` pass through unchanged there (0 without them)."""
     reward = (rewards if rewards is not None else torch.zeros_like(kl)) - coef * kl
     if scores is not None:
         bonus = scores.clamp(-score_clip, score_clip) if score_clip is not None else scores
@@ -27,7 +28,6 @@ def shaped_by_hand(kl, mask, coef, scores=None, score_clip=None, rewards=None):
             valid = mask[b].nonzero()
             if len(valid):
                 reward[b, valid[-1]] += bonus[b]
-    reward = torch.where(mask, reward, torch.zeros_like(reward))
     counts = mask.sum(-1)
     kl_per_seq = torch.where(counts > 0, (kl * mask).sum(-1) / counts.clamp(min=1), torch.zeros_like(counts, dtype=kl.dtype))
     return reward, kl_per_seq
@@ -156,7 +156,9 @@ def test_parity_llm_kl_reward_transform(layout):
     expected = reward_in.double() - coef * (lp - ref_lp).unsqueeze(-1)
     if layout == "padded":
         out = kltriton.fused_kl_reward(logits, ref, ids, coef=coef, rewards=reward_in, mask=mask)
-        got, valid = out.reward, mask
+        got, valid = out.reward, torch.ones_like(mask)  # unscored positions: reward_in unchanged
+        expected = torch.where(mask[..., None], expected, reward_in.double())
+        assert torch.equal(out.reward[~mask], reward_in[..., 0][~mask])
     else:
         keep = mask.reshape(-1)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(-1).cumsum(0)])
@@ -165,18 +167,20 @@ def test_parity_llm_kl_reward_transform(layout):
                                        cu_seqlens=cu)
         got, valid = out.reward, torch.ones_like(out.reward, dtype=torch.bool)
         expected = expected.reshape(-1, 1)[keep]
-    assert_close(got[valid], expected[..., 0][mask] if layout == "padded" else expected[..., 0], 1e-5)
+    assert_close(got[valid], expected[..., 0][valid] if layout == "padded" else expected[..., 0], 1e-5)
     assert_close(out.ref_logprobs, ref_lp if layout == "padded" else ref_lp[mask], 1e-5)
 
 
 def test_parity_kl_computation():
-    """KLComputation: kl = gen_lp - ref_lp; reward [..., 1] - coeff * kl.unsqueeze(-1)."""
+    """torchrl KLComputation: kl = gen_lp - ref_lp (0 at padding); reward [..., 1] - coeff * kl.unsqueeze(-1),
+    so the reward at unscored positions passes through unchanged."""
     logits, ref, ids, mask = padded_batch(seed=6)
     gen_lp, ref_lp = naive_logprobs(logits, ids), naive_logprobs(ref, ids)
     reward_in, coeff = torch.randn(4, 9, 1), 0.7
     expected = reward_in.double() - coeff * (gen_lp - ref_lp).unsqueeze(-1)
     out = kltriton.fused_kl_reward(logits, ref_lp.float(), ids, coef=coeff, rewards=reward_in, mask=mask)
     assert_close(out.reward[mask], expected[..., 0][mask], 1e-5)
+    assert torch.equal(out.reward[~mask], reward_in[..., 0][~mask])
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -215,3 +219,45 @@ def test_dropins_match_formulas(backend, device, monkeypatch):
     trl = logits.double().gather(-1, index[..., None]).squeeze(-1) - torch.logsumexp(logits.double(), -1)
     assert_close(kltriton.selective_log_softmax(logits, index), trl, 1e-5)
     assert_close(kltriton.logprobs_of_labels(logits, index), naive_logprobs(logits, index), 1e-5)
+
+
+def test_parity_verl_apply_kl_penalty():
+    """verl ``apply_kl_penalty``: ``token_level_rewards = token_level_scores - beta * kld * response_mask``,
+    so per-token rewards outside the response mask pass through unchanged."""
+    logits, ref, ids, mask = padded_batch(seed=8)
+    scores_tok, beta = torch.randn(4, 9), 0.2
+    kld = (naive_logprobs(logits, ids) - naive_logprobs(ref, ids)) * mask
+    expected = scores_tok.double() - beta * kld
+    out = kltriton.fused_kl_reward(logits, ref, ids, coef=beta, rewards=scores_tok, mask=mask.long())
+    assert_close(out.reward, expected, 1e-5)
+    assert torch.equal(out.reward[~mask], scores_tok[~mask])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "flat"])
+def test_empty_batch_with_every_option(backend, layout):
+    """N == 0 ([B, 0, V], or packed with cu_seqlens, or flat): empty in, empty out, with every option."""
+    vocab = 11
+    if layout == "padded":
+        shape, seq = (3, 0), dict()
+    elif layout == "packed":
+        shape, seq = (0,), dict(cu_seqlens=torch.zeros(3, dtype=torch.long))
+    else:
+        shape, seq = (0,), dict()
+    num_seqs = {"padded": 3, "packed": 2, "flat": 1}[layout]
+    logits = torch.randn(*shape, vocab, requires_grad=True)
+    ref = torch.randn(*shape, vocab)
+    ids = torch.randint(0, vocab, shape)
+    for estimator in ("k1", "k3", "full"):
+        for ref_arg in (ref, torch.randn(shape)):
+            if estimator == "full" and ref_arg.dim() != logits.dim():
+                continue
+            out = kltriton.fused_kl_reward(
+                logits, ref_arg, ids, coef=torch.tensor(0.1), estimator=estimator, kl_clamp=5.0,
+                scores=torch.randn(num_seqs), rewards=torch.randn(*shape, 1), score_clip=1.0,
+                temperature=torch.full(shape, 0.7), mask=torch.ones(shape, dtype=torch.long),
+                shift_labels=True, backend=backend, **seq)
+            for t in out[:4]:
+                assert t.shape == shape and t.dtype == torch.float32
+            assert out.kl_per_seq.shape == (num_seqs,) and (out.kl_per_seq == 0).all()
+            grad, = torch.autograd.grad(out.reward.sum() + out.kl_per_seq.sum(), logits)
+            assert grad.shape == logits.shape

@@ -147,7 +147,7 @@ def test_policy_loss_matches_verl(loss_mode, aggregation):
     advantages = torch.randn(b, generator=g)[:, None].expand(b, t)
     old = (verl_F.logprobs_from_logits_naive(logits.detach(), labels) + 0.3 * torch.randn(b, t, generator=g))
     config = ActorConfig(strategy="fsdp", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                         policy_loss=PolicyLossConfig(loss_mode=loss_mode), ppo_micro_batch_size_per_gpu=1)
+                         policy_loss=PolicyLossConfig(loss_mode=loss_mode), ppo_micro_batch_size_per_gpu=1, rollout_n=1)
     logp = verl_F.logprobs_from_logits_naive(logits, labels)
     expected, _ = core_algos.get_policy_loss_fn(loss_mode)(old, logp, advantages, mask, aggregation, config)
     out = kltriton.policy_loss(logits, labels, advantages, old_logprobs=old, loss_type=

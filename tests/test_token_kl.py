@@ -168,7 +168,7 @@ def test_reference_gets_no_gradient(backend, device):
     (dict(cu_seqlens=torch.tensor([0, 3, 5])), ValueError, "cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([1, 3, 6])), ValueError, "cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([0.0, 6.0])), TypeError, "cu_seqlens"),
-    (dict(mask="int"), TypeError, "mask"),
+    (dict(mask="float"), TypeError, "mask"),  # integer masks are accepted (HF attention_mask)
     (dict(backend="cuda"), ValueError, "backend"),
 ])
 def test_bad_input(kwargs, error, match):
@@ -184,8 +184,8 @@ def test_bad_input(kwargs, error, match):
         labels = labels.float()
     if args.pop("logits", None) == "int":
         logits = logits.long()
-    if args.get("mask") == "int":
-        args["mask"] = torch.ones(6, dtype=torch.long)
+    if args.get("mask") == "float":
+        args["mask"] = torch.ones(6)
     args.pop("labels", None)
     with pytest.raises(error, match=match):
         kltriton.token_kl(logits, ref, labels, **args)

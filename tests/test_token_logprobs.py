@@ -147,6 +147,16 @@ def test_bad_keyword_arguments():
         kltriton.token_logprobs(logits, labels, backend="gpu")
 
 
+def test_sliced_logits_with_shift_labels_say_what_to_do():
+    """The two conventions: unsliced logits + shift_labels=True, or logits[:, :-1] + labels[:, 1:]."""
+    logits, input_ids = torch.randn(2, 6, 9), torch.randint(0, 9, (2, 6))
+    with pytest.raises(ValueError, match=r"unsliced logits with shift_labels=True, or sliced logits with labels\[:, 1:\]"):
+        kltriton.token_logprobs(logits[:, :-1], input_ids, shift_labels=True)
+    shifted = kltriton.token_logprobs(logits, input_ids, shift_labels=True)[:, :-1]
+    sliced = kltriton.token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    assert torch.equal(shifted, sliced)
+
+
 def test_env_var_forces_backend(monkeypatch):
     monkeypatch.setenv("KLTRITON_BACKEND", "nope")
     with pytest.raises(ValueError, match="KLTRITON_BACKEND"):

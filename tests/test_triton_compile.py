@@ -5,8 +5,8 @@ non-constexpr global, a type change of a loop-carried value). Triton can compile
 target without a device, so every kernel variant is compiled here in a subprocess (the
 interpreter is switched on for the rest of the suite), with the launch settings ``forward`` /
 ``backward`` use (``benchmarks/static.py``), for every dtype at a vocab that splits rows across
-programs (the combine kernel too) and is not a multiple of 16. ``test_static_report.py`` covers
-aligned vocabs.
+programs (the combine kernel too) and is not a multiple of 16; a reference in another dtype than
+the policy; the loss family's kernel. ``test_static_report.py`` covers aligned vocabs.
 """
 import os
 import subprocess
@@ -14,9 +14,28 @@ import sys
 import textwrap
 
 COMPILE_ALL = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from benchmarks import static
-    rows = static.report(cases=[(100003, dtype) for dtype in static.DTYPES])
-    print("compiled", len(rows))
+    from kltriton.kernels.loss import triton as tl_loss
+    from kltriton.kernels.stream import triton as ts
+
+    count = len(static.report(cases=[(100003, dtype) for dtype in static.DTYPES]))
+    # A reference in another dtype than the policy (e.g. a bf16 policy, an fp32 reference).
+    for dtype, ref_dtype in (("bf16", "fp32"), ("fp32", "bf16"), ("fp16", "fp32")):
+        for name, launch, ref in ts.launches(32000, static.BYTES[dtype]):
+            if ref is not False:
+                constants = dict(launch.constexprs, entropy_ptr=None) if "forward" in name else launch.constexprs
+                static.compile_kernel(getattr(ts, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
+                count += 1
+    for dtype in ("fp32", "bf16", "fp16"):
+        kernel = tl_loss._scale_kernel
+        signature = {"grad_ptr": "*" + dtype, "upstream_ptr": "*fp32", "numel": "i64", "BLOCK": "constexpr"}
+        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={(3,): tl_loss.SCALE_BLOCK}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        count += 1
+    print("compiled", count)
 ''')
 
 
@@ -24,5 +43,6 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    # Per dtype: 6 forward variants, their 6 combine kernels, 4 backward variants.
-    assert "compiled 48" in done.stdout
+    # Per dtype: 6 forward variants, their 6 combine kernels, 4 backward variants (48); mixed
+    # reference dtypes: forward with a reference and the backward, 3 pairs (6); the loss kernel (3).
+    assert "compiled 57" in done.stdout

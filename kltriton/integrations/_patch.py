@@ -1,6 +1,6 @@
-"""Swap attributes of a library's modules and put them back: the undo shared by every integration."""
+"""Swap attributes of a library's modules and put them back: the apply/undo shared by every integration."""
 import sys
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 
 class Patch:
@@ -45,6 +45,32 @@ class Patch:
 
     def __repr__(self):
         return f"<kltriton {self.name} integration, {'active' if self.active else 'undone'}>"
+
+
+class Integration:
+    """One library's ``apply()`` / ``undo()``: at most one active ``Patch`` at a time.
+
+    ``install(patch)`` imports the library and makes the changes through ``patch``.
+    """
+
+    def __init__(self, name: str, install: Callable[[Patch], None]):
+        self.name = name
+        self._install = install
+        self.current: Optional[Patch] = None
+
+    def apply(self) -> Patch:
+        """Make the library compute with kltriton. Returns a ``Patch``: ``.undo()`` or ``with apply(): ...``."""
+        if self.current is not None and self.current.active:
+            raise RuntimeError(f"kltriton's {self.name} integration is already applied; undo() it first")
+        patch = Patch(self.name)
+        self._install(patch)
+        self.current = patch
+        return patch
+
+    def undo(self) -> None:
+        """Undo the current ``apply()`` (no-op when none is active)."""
+        if self.current is not None:
+            self.current.undo()
 
 
 def _replace_everywhere(prefix: str, old, new) -> None:

@@ -19,14 +19,11 @@ log-probs kltriton produced. The tests check that kltriton's ``token_kl``, ``fus
 
 ``undo()`` (or leaving ``with apply():``) restores OpenRLHF's functions everywhere.
 """
-from typing import Optional
-
 import torch
 
 from kltriton.integrations import _ops
-from kltriton.integrations._patch import Patch
+from kltriton.integrations._patch import Integration, Patch
 
-_current: Optional[Patch] = None
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -40,21 +37,14 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     return _ops.entropy(logits)
 
 
-def apply() -> Patch:
-    """Make OpenRLHF compute log-probs and entropy with kltriton. Returns a ``Patch`` (``.undo()``, ``with``)."""
-    global _current
-    if _current is not None and _current.active:
-        raise RuntimeError("kltriton's OpenRLHF integration is already applied; undo() it first")
+def _install(patch: Patch) -> None:
+    """Make OpenRLHF compute log-probs and entropy with kltriton."""
     import openrlhf.models.utils as openrlhf_utils
 
-    patch = Patch("openrlhf")
     patch.swap("openrlhf", openrlhf_utils.log_probs_from_logits, log_probs_from_logits)
     patch.swap("openrlhf", openrlhf_utils.compute_entropy, compute_entropy)
-    _current = patch
-    return patch
 
 
-def undo() -> None:
-    """Undo the current ``apply()`` (no-op when none is active)."""
-    if _current is not None:
-        _current.undo()
+_integration = Integration("OpenRLHF", _install)
+apply = _integration.apply
+undo = _integration.undo

@@ -25,28 +25,23 @@ import torch
 import torch.nn.functional as F
 
 import kltriton
-from kltriton.integrations._patch import Patch
+from kltriton.integrations._patch import Integration, Patch
 
 logger = logging.getLogger(__name__)
 
-_current: Optional[Patch] = None
 _logged = set()
 
 # LM-head scalings TRL knows besides `logit_scale` and `final_logit_softcapping`; such models keep TRL's head.
 _OTHER_SCALINGS = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
-def apply() -> Patch:
+def _install(patch: Patch) -> None:
     """Make ``trl.GRPOTrainer`` compute log-probs, entropy (and, where it maps, the loss) with kltriton.
 
-    Call it before building the trainer. Returns a ``Patch``: ``.undo()`` or ``with apply(): ...``.
+    Call ``apply()`` before building the trainer.
     """
-    global _current
-    if _current is not None and _current.active:
-        raise RuntimeError("kltriton's TRL integration is already applied; undo() it first")
     from trl.trainer import grpo_trainer
 
-    patch = Patch("trl")
     _logged.clear()  # each apply() logs each fallback reason once
     trl_add_fused_lm_head = grpo_trainer.add_fused_lm_head
     trl_compute_loss = grpo_trainer.GRPOTrainer._compute_loss
@@ -65,14 +60,11 @@ def apply() -> Patch:
 
     patch.set(grpo_trainer, "add_fused_lm_head", add_fused_lm_head)
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
-    _current = patch
-    return patch
 
 
-def undo() -> None:
-    """Undo the current ``apply()`` (no-op when none is active)."""
-    if _current is not None:
-        _current.undo()
+_integration = Integration("TRL", _install)
+apply = _integration.apply
+undo = _integration.undo
 
 
 def _log_once(message: str) -> None:

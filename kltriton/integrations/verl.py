@@ -18,14 +18,11 @@ that kltriton's ``token_kl`` (every verl KL name) and ``policy_loss`` give verl'
 
 ``undo()`` (or leaving ``with apply():``) restores verl's functions everywhere.
 """
-from typing import Optional
-
 import torch
 
 from kltriton.integrations import _ops
-from kltriton.integrations._patch import Patch
+from kltriton.integrations._patch import Integration, Patch
 
-_current: Optional[Patch] = None
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
@@ -43,22 +40,15 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
     return _ops.entropy(logits)
 
 
-def apply() -> Patch:
-    """Make verl compute log-probs and entropy with kltriton. Returns a ``Patch`` (``.undo()``, ``with``)."""
-    global _current
-    if _current is not None and _current.active:
-        raise RuntimeError("kltriton's verl integration is already applied; undo() it first")
+def _install(patch: Patch) -> None:
+    """Make verl compute log-probs and entropy with kltriton."""
     import verl.utils.torch_functional as verl_F
 
-    patch = Patch("verl")
     patch.swap("verl", verl_F.logprobs_from_logits, logprobs_from_logits)
     patch.swap("verl", verl_F.entropy_from_logits, entropy_from_logits)
     patch.swap("verl", verl_F.entropy_from_logits_with_chunking, entropy_from_logits_with_chunking)
-    _current = patch
-    return patch
 
 
-def undo() -> None:
-    """Undo the current ``apply()`` (no-op when none is active)."""
-    if _current is not None:
-        _current.undo()
+_integration = Integration("verl", _install)
+apply = _integration.apply
+undo = _integration.undo

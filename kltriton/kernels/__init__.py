@@ -14,6 +14,7 @@ Families:
 | family   | what it computes |
 |----------|------------------|
 | ``stream`` | per-row softmax statistics streamed over ``[..., V]`` logits (log-prob, entropy, reference log-prob, exact KL) and their gradient |
+| ``loss``   | a token-level policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
 """
 import torch
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 
-def define_op(name, fn, *, outputs, fake, save=(), backward=None):
+def define_op(name, fn, *, outputs, fake, save=(), backward=None, materialize_grads=True):
     """Register ``fn`` as ``kltriton::<name>`` and return the op.
 
     Args:
@@ -22,6 +22,9 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None):
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save``
             names as attributes, ``grads`` maps output names to their gradient (``None`` when that
             output was not used). Omit it for an op that is not differentiable.
+        materialize_grads: False passes ``None`` (not zeros) for unused outputs' gradients to
+            ``backward``: an op with a large output that is never differentiated then allocates
+            and fills nothing for it.
     """
     op = torch.library.custom_op(f"kltriton::{name}", fn, mutates_args=())
     op.register_fake(fake)
@@ -35,6 +38,7 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None):
         ctx.tensor_names = [k for k in save if isinstance(values[k], torch.Tensor)]
         ctx.save_for_backward(*(values[k] for k in ctx.tensor_names))
         ctx.plain = {k: values[k] for k in save if k not in ctx.tensor_names}
+        ctx.set_materialize_grads(materialize_grads)
 
     def autograd_backward(ctx, *grads):
         saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain)

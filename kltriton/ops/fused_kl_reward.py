@@ -12,6 +12,7 @@ from kltriton._inputs import build_layout, check_logits, check_temperature, runt
 from kltriton.kernels import SKIP
 from kltriton.ops.stream import stream_backend
 from kltriton.ops.token_kl import check_estimator, kl_of_target, ref_is_logits
+from kltriton.ops.vocab_parallel import vocab_shard
 
 
 class KLReward(NamedTuple):
@@ -33,10 +34,12 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
     scored, counts = _valid_counts(target, seq_index, num_seqs, kl.dtype)
     kl_per_seq = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device).index_add_(0, seq_index, kl)
     kl_per_seq = kl_per_seq / counts.clamp(min=1)
+    # kl is 0 at unscored positions, so a given per-token reward passes through there unchanged
+    # (torchrl KLComputation, verl apply_kl_penalty); without one the reward is 0 there.
     reward = -coef.to(kl.dtype) * kl
     if rewards is not None:
-        reward = reward + rewards.reshape(-1).to(kl.dtype)
-    if scores is not None:
+        reward = rewards.reshape(-1).to(kl.dtype) + reward
+    if scores is not None and kl.numel():  # N == 0 (e.g. [B, 0, V]): nothing to add the scores to
         positions = torch.arange(kl.numel(), device=kl.device)
         last = torch.full((num_seqs,), -1, dtype=torch.long, device=kl.device).scatter_reduce(
             0, seq_index, torch.where(scored > 0, positions, -1), reduce="amax", include_self=True)
@@ -45,7 +48,6 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
             bonus = bonus.clamp(-score_clip, score_clip)
         # A sequence without a scored position (last == -1) adds 0 at position 0.
         reward = reward.index_add(0, last.clamp(min=0), torch.where(last >= 0, bonus, torch.zeros_like(bonus)))
-    reward = torch.where(scored > 0, reward, torch.zeros_like(reward))
     return reward, kl_per_seq
 
 
@@ -111,13 +113,15 @@ def fused_kl_reward(
     cu_seqlens: Optional[torch.Tensor] = None,
     shift_labels: bool = False,
     backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
 ) -> KLReward:
     """KL-shaped per-token rewards: ``reward = rewards - coef * kl`` plus the clipped sequence score
     at the last scored position of each sequence.
 
     Args:
         logits, ref, labels, estimator, kl_clamp, temperature, ignore_index, mask,
-            cu_seqlens, shift_labels, backend: as in ``token_kl``.
+            cu_seqlens, shift_labels, backend, process_group, vocab_start: as in ``token_kl``.
         coef: KL coefficient, a float or a 0-dim tensor (read on the device, no host sync).
         scores: optional ``[num_seqs]`` sequence-level scores (reward model outputs).
         rewards: optional per-token rewards of shape ``S`` or ``S + [1]`` (torchrl's layout).
@@ -127,21 +131,23 @@ def fused_kl_reward(
     flat ``[N]`` layout.
 
     Returns:
-        ``KLReward(reward, kl, logprobs, ref_logprobs, kl_per_seq)``: fp32 ``S`` tensors (0 where
-        not scored) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
+        ``KLReward(reward, kl, logprobs, ref_logprobs, kl_per_seq)``: fp32 ``S`` tensors (``kl``,
+        ``logprobs``, ``ref_logprobs`` are 0 where not scored; ``reward`` there is the given
+        ``rewards`` unchanged, or 0) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
         positions (0 if it has none). Gradient flows to the policy ``logits`` through ``kl``.
     """
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature, logits.device)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
+    shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True)
+                          shift_labels=shift_labels, with_seq_index=True, vocab=None if shard is None else shard.vocab)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
     backend = stream_backend(backend, logits)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)
     shape = layout.shape

@@ -86,8 +86,14 @@ def stream_backend(backend, logits: torch.Tensor) -> str:
 
 
 def stream(logits, ref_logits, target, temperature, *, with_entropy=False, with_full_kl=False,
-           backend) -> StreamStats:
+           backend, shard=None) -> StreamStats:
     """Per-row statistics of ``logits`` (and ``ref_logits``) at ``target``, differentiable w.r.t.
-    ``logits``; see ``kltriton.kernels.stream`` for shapes. ``ref_logits`` gets no gradient."""
+    ``logits``; see ``kltriton.kernels.stream`` for shapes. ``ref_logits`` gets no gradient.
+    With a ``shard`` (``kltriton.ops.vocab_parallel.VocabShard``) the logits are this rank's vocab
+    shard, ``target`` holds global ids, and the statistics are those of the full rows."""
     ref_logits = None if ref_logits is None else ref_logits.detach()
+    if shard is not None:
+        from kltriton.ops.vocab_parallel import shard_stream  # it builds on this module's ops
+        return shard_stream(logits, ref_logits, target, temperature, with_entropy=with_entropy,
+                            with_full_kl=with_full_kl, backend=backend, shard=shard)
     return StreamStats(*stream_forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl, backend))

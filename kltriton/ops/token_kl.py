@@ -9,8 +9,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators
-from kltriton._inputs import build_layout, check_logits, check_temperature
+from kltriton._inputs import LOGIT_DTYPES, build_layout, check_logits, check_temperature
 from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.vocab_parallel import vocab_shard
 
 
 class KLOutput(NamedTuple):
@@ -28,8 +29,11 @@ def ref_is_logits(logits: torch.Tensor, ref) -> bool:
     if ref.device != logits.device:
         raise ValueError(f"ref is on {ref.device} but logits are on {logits.device}")
     if ref.shape == logits.shape:
-        if ref.dtype != logits.dtype:
-            raise TypeError(f"ref logits must have the logits' dtype {logits.dtype}, got {ref.dtype}")
+        # Any logits dtype, also one other than the policy's (a bf16 policy, an fp32 reference);
+        # float64 only with float64 logits (the reference backend).
+        if ref.dtype not in LOGIT_DTYPES or (ref.dtype == torch.float64) != (logits.dtype == torch.float64):
+            raise TypeError(f"ref logits must be float32, bfloat16 or float16 (float64 only with float64 logits), "
+                            f"got {ref.dtype} with logits {logits.dtype}")
         return True
     if ref.shape == logits.shape[:-1]:
         return False
@@ -44,14 +48,15 @@ def check_estimator(estimator, kl_clamp, with_ref_logits):
     return name, estimators.check_kl_clamp(kl_clamp)
 
 
-def kl_of_target(logits, ref, target, temperature, estimator, kl_clamp, backend):
+def kl_of_target(logits, ref, target, temperature, estimator, kl_clamp, backend, shard=None):
     """``(kl, logp, ref_logp)`` as flat ``[N]`` tensors for a validated ``target``; differentiable
-    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch)."""
+    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch). ``shard``: see ``stream``."""
     if ref.dim() == logits.dim():
-        stats = stream(logits, ref, target, temperature, with_full_kl=estimator == "full", backend=backend)
+        stats = stream(logits, ref, target, temperature, with_full_kl=estimator == "full", backend=backend,
+                       shard=shard)
         ref_logp = stats.ref_logp
     else:
-        stats = stream(logits, None, target, temperature, backend=backend)
+        stats = stream(logits, None, target, temperature, backend=backend, shard=shard)
         ref_flat = ref.detach().reshape(-1).to(stats.logp.dtype)
         ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
     kl = estimators.value(estimator, kl_clamp, stats.logp, ref_logp, stats.full_kl)
@@ -71,19 +76,29 @@ def token_kl(
     cu_seqlens: Optional[torch.Tensor] = None,
     shift_labels: bool = False,
     backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
 ) -> KLOutput:
     """Per-token KL of the policy against a reference at the labelled tokens.
 
     Args:
         logits: policy logits ``[..., V]`` (fp32 / bf16 / fp16, leading dims may be strided).
-        ref: reference logits of the same shape (read in the same pass), or reference
+        ref: reference logits of the same shape, in any logits dtype (read in the same pass, as
+            they are: a bf16 policy may have an fp32 reference), or reference
             log-probs of shape ``S = logits.shape[:-1]`` (scored elsewhere).
         labels, mask, ignore_index, cu_seqlens, shift_labels, temperature, backend:
             as in ``token_logprobs``; the temperature applies to both models.
         estimator: ``"k1"`` (``d = logp - ref_logp``), ``"abs"``, ``"k2"`` (``d**2 / 2``),
             ``"k3"`` (``exp(-d) + d - 1``), ``"full"`` (exact KL over the vocab; needs
-            reference logits), or the aliases ``"kl"``, ``"mse"``, ``"low_var_kl"``.
+            reference logits), the aliases ``"kl"``, ``"mse"``, ``"low_var_kl"``, or verl's
+            straight-through ``"k1+"``, ``"kl+"``, ``"abs+"``, ``"k3+"``, ``"low_var_kl+"`` (the value
+            of the name without ``+``, the gradient of ``"k2"``).
         kl_clamp: clamp the estimator's value to ``[-kl_clamp, kl_clamp]``.
+        process_group: a ``torch.distributed`` group whose ranks each hold a contiguous vocab shard
+            ``logits[..., V_local]`` (and ``ref``, when logits) (vocab-parallel); ``labels`` are then global ids. One all-gather
+            of a few fp32 per row; the backward needs no communication.
+        vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
+            ``V_local``, learned with one small all-gather).
 
     Returns:
         ``KLOutput(kl, logprobs, ref_logprobs)``, each fp32 ``S``, 0 where not scored.
@@ -92,9 +107,10 @@ def token_kl(
     check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
-    temperature = check_temperature(temperature, logits.device)
-    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask,
-                          cu_seqlens=cu_seqlens, shift_labels=shift_labels)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
+    shard = vocab_shard(logits, process_group, vocab_start)
+    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                          shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
     backend = stream_backend(backend, logits)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
     return KLOutput(kl.view(layout.shape), logp.view(layout.shape), ref_logp.view(layout.shape))

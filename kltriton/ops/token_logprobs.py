@@ -5,6 +5,7 @@ import torch
 
 from kltriton._inputs import build_layout, check_logits, check_temperature
 from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.vocab_parallel import vocab_shard
 
 
 def token_logprobs(
@@ -18,6 +19,8 @@ def token_logprobs(
     shift_labels: bool = False,
     return_entropy: bool = False,
     backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
 ):
     """Log-probability of ``labels`` under ``softmax(logits / temperature)``, without ``[N, V]`` temporaries.
 
@@ -25,22 +28,31 @@ def token_logprobs(
         logits: ``[..., V]`` fp32 / bf16 / fp16; any strides on the leading dims
             (``logits[:, :-1]`` is read in place).
         labels: integer ``S = logits.shape[:-1]``; ``ignore_index`` marks unscored positions.
-        mask: optional bool ``S``; False = not scored.
+        mask: optional bool or integer ``S`` (a Hugging Face ``attention_mask`` as it is); 0 = not scored.
+        temperature: ``T > 0``, finite: a python float, a 0-dim tensor, or a floating tensor of shape
+            ``S`` (one per position); a tensor never recompiles under ``torch.compile``.
         cu_seqlens: optional ``[num_seqs + 1]`` offsets of packed sequences in ``[N, V]`` logits.
         shift_labels: ``labels`` are input ids; position ``t`` is scored on ``labels[t + 1]``
             of the same sequence (``mask[t + 1]`` decides), the last position of each is not.
         return_entropy: also return the entropy of ``softmax(logits[t] / T)``.
         backend: ``"triton" | "cpp" | "reference"``; default by device (``KLTRITON_BACKEND``).
+        process_group: a ``torch.distributed`` group whose ranks each hold a contiguous vocab shard
+            ``logits[..., V_local]`` (vocab-parallel); ``labels`` are then global ids. One all-gather
+            of a few fp32 per row; the backward needs no communication.
+        vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
+            ``V_local``, learned with one small all-gather).
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``).
     """
     check_logits(logits)
-    temperature = check_temperature(temperature, logits.device)
-    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask,
-                          cu_seqlens=cu_seqlens, shift_labels=shift_labels)
+    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
+    shard = vocab_shard(logits, process_group, vocab_start)
+    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                          shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
     backend = stream_backend(backend, logits)
-    stats = stream(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend)
+    stats = stream(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend,
+                   shard=shard)
     logp = stats.logp.view(layout.shape)
     return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp

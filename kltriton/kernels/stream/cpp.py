@@ -1,6 +1,7 @@
 """C++ backend of the ``stream`` family: ``torch.ops.kltriton_cpp.stream_forward`` / ``stream_backward``.
 
-CPU tensors in float32 / bfloat16 / float16 (both logits of one call in the same dtype): one
+CPU tensors in float32 / bfloat16 / float16 (the reference logits may have another of these dtypes
+than the policy's, each read as it is): one
 streaming pass per row with an online max / sum in fp32 (``csrc/stream_forward.cpp``), and a
 backward that writes the gradient row by row (``csrc/stream_backward.cpp``). The library is
 built or loaded by ``kltriton.kernels.cpp_library``.

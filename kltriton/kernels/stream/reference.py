@@ -32,14 +32,21 @@ def _row_temperature(temperature: torch.Tensor, rows: torch.Tensor, dtype: torch
 
 
 def _log_softmax_rows(rows: torch.Tensor, temperature: torch.Tensor):
-    scaled = rows / temperature
-    lse = torch.logsumexp(scaled, dim=-1)
-    return scaled - lse[:, None], lse
+    """``(log_softmax(rows / T), logsumexp(rows / T))`` of ``[R, V]`` rows, as torch's own log_softmax:
+    the row max is subtracted before scaling, so the error follows ``|x - max| / T``, not ``|x| / T``
+    (logits of +-1e30 with ties give exactly ``-log(ties)``). A NaN or +inf logit gives a NaN row;
+    an all ``-inf`` row gives ``lse = -inf`` and NaN log-probs."""
+    m = rows.amax(dim=-1, keepdim=True)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # all -inf: -inf - -inf would be NaN
+    shifted = (rows - m) / temperature
+    lse_shifted = torch.logsumexp(shifted, dim=-1, keepdim=True)
+    return shifted - lse_shifted, (m / temperature + lse_shifted).squeeze(1)
 
 
 def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``p * values`` with ``0 * (-inf)`` read as 0 (entries where the policy has no mass)."""
-    return torch.where(p > 0, p * values, torch.zeros((), dtype=p.dtype, device=p.device))
+    """``p * values`` with ``0 * (-inf)`` read as 0 (entries where the policy has no mass); a NaN
+    ``p`` stays NaN."""
+    return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * values)
 
 
 def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
@@ -57,6 +64,10 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         keep = torch.nonzero(tgt >= 0).squeeze(1)
         if keep.numel() == 0:
             continue
+        if keep.numel() == 1:
+            # Batch invariance: torch splits a reduction with a single output between threads
+            # (another summation order than a row of a larger batch gets); reduce the row twice.
+            keep = keep.repeat(2)
         rows = start + keep
         label = tgt[keep][:, None]
         temp = _row_temperature(temperature, rows, acc)

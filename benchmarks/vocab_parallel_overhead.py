@@ -1,0 +1,97 @@
+"""Cost of the vocab-parallel exchange against the kernel, on CPU ranks over gloo.
+
+    python -m benchmarks.vocab_parallel_overhead [--rows 2048] [--vocab 32000] [--ranks 2] [--backend cpp]
+
+Each rank holds ``V / ranks`` columns of fp32 logits and times (median of ``--repeat`` runs, ranks
+in lockstep behind a barrier): the stream kernel on its shard alone, the all-gather of the per-row
+statistics alone, the same op unsharded on the shard alone (what the rank would pay without the
+exchange), the whole sharded ``token_kl(estimator="full")`` / ``token_logprobs`` forward,
+and their backward. Rank 0 prints one line per measurement and the bytes exchanged per row.
+"""
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _median_ms(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _worker(rank, args, init_file):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks)
+    import kltriton
+    from kltriton.ops.stream import stream_forward
+    from kltriton.ops.vocab_parallel import _all_gather
+
+    group = dist.group.WORLD
+    size = args.vocab // args.ranks
+    gen = torch.Generator().manual_seed(rank)
+    logits = torch.randn(args.rows, size, generator=gen) * 3
+    ref = logits + torch.randn(args.rows, size, generator=gen)
+    labels = torch.randint(0, args.vocab, (args.rows,), generator=torch.Generator().manual_seed(0))
+    target = (labels % size).contiguous()
+    temperature = torch.ones((), dtype=torch.float64)
+    start = rank * size
+    rows = []
+
+    def record(name, fn):
+        fn()  # warm-up (and the C++ build)
+        rows.append((name, _median_ms(fn, args.repeat)))
+
+    for what, width, with_ref, full in (("token_logprobs", 2, False, False), ("token_kl full", 5, True, True)):
+        r = ref if with_ref else None
+        record(f"{what}: stream kernel on the shard", lambda: stream_forward(
+            logits, r, target, temperature, False, full, args.backend))
+        payload = torch.randn(width, args.rows)
+        record(f"{what}: all-gather of {width} x fp32 per row", lambda: _all_gather(payload, group).sum())
+
+        def forward(x):
+            if with_ref:
+                return kltriton.token_kl(x, ref, labels, estimator="full", backend=args.backend,
+                                         process_group=group, vocab_start=start).kl
+            return kltriton.token_logprobs(x, labels, backend=args.backend, process_group=group, vocab_start=start)
+        def plain(x):  # the same op on the shard as if it were the whole vocabulary
+            if with_ref:
+                return kltriton.token_kl(x, ref, target, estimator="full", backend=args.backend).kl
+            return kltriton.token_logprobs(x, target, backend=args.backend)
+        record(f"{what}: unsharded op on the shard alone", lambda: plain(logits))
+        record(f"{what}: sharded op forward", lambda: forward(logits))
+        x = logits.detach().requires_grad_()
+        record(f"{what}: unsharded op on the shard, forward + backward", lambda: plain(x).sum().backward())
+        record(f"{what}: sharded op forward + backward", lambda: forward(x).sum().backward())
+    if rank == 0:
+        print(f"ranks={args.ranks} rows={args.rows} V={args.vocab} (V_local={size}) fp32 backend={args.backend} "
+              f"threads/rank={args.threads}")
+        for name, ms in rows:
+            print(f"  {name:58s} {ms:9.3f} ms")
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--backend", default="cpp")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=9)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()

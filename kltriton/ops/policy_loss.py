@@ -1,0 +1,396 @@
+"""``policy_loss``: the PPO / GRPO / DAPO / CISPO / GSPO policy loss straight from the logits.
+
+Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
+``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
+gradient w.r.t. the logits (the C++ kernel reads each row once for both). Its backward only applies
+the upstream gradient, in place on the saved gradient (``kltriton::loss_scale_``), which moves no
+``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel).
+
+``gspo`` (a sequence-level ratio) and on-policy rollout importance sampling (weights that need the
+whole sequence's new log-probs) take the two-pass route: the differentiable ``stream`` op, the
+formulas in PyTorch, and autograd (the logits are read again in the backward).
+"""
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from kltriton import dispatch, estimators
+from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
+from kltriton.kernels import SKIP, accumulation_dtype
+from kltriton.kernels.loss import LossRows, terms
+from kltriton.ops._define import define_op
+from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.token_kl import ref_is_logits
+from kltriton.ops.vocab_parallel import vocab_shard
+
+AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+STRAIGHT_THROUGH = ("k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: torch.Tensor          # [] the loss (differentiable w.r.t. the policy logits)
+    logprobs: torch.Tensor      # S fp32 (detached)
+    ref_logprobs: torch.Tensor  # S fp32, 0 without a reference
+    kl: torch.Tensor            # S fp32, the KL estimator's value, 0 without a reference
+    entropy: torch.Tensor       # S fp32
+    ratio: torch.Tensor         # S fp32, the importance ratio (per sequence for gspo)
+    metrics: dict               # name -> 0-dim fp32 tensor
+
+
+# --- the fused op ------------------------------------------------------------------------------
+
+def _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp):
+    return LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
+
+
+def _loss_value(target, loss_type, estimator, logp, entropy, ref_logp, full_kl, rows, bounds):
+    token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, rows.old_logp,
+                              rows.advantages, bounds, target >= 0)
+    return terms.objective(token, entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
+
+
+def _forward(
+    logits: torch.Tensor,                # [..., V]
+    ref_logits: Optional[torch.Tensor],  # [..., V] or None
+    target: torch.Tensor,                # [N] int64 (kltriton.kernels.constants)
+    temperature: torch.Tensor,           # 0-dim float64
+    old_logp: Optional[torch.Tensor],    # [N] or None (on-policy)
+    advantages: torch.Tensor,            # [N]
+    w_pg: torch.Tensor,                  # [N]
+    w_kl: torch.Tensor,                  # [N]
+    w_ent: torch.Tensor,                 # [N]
+    ref_logp: Optional[torch.Tensor],    # [N] given reference log-probs, or None
+    bounds: torch.Tensor,                # float64 [4]
+    loss_type: str,
+    estimator: str,
+    entropy_grad: bool,
+    with_grad: bool,
+    backend: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
+    stats, grad = dispatch.implementation("loss", backend).forward(
+        logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad)
+    ref_out = stats.ref_logp if ref_logits is not None else (ref_logp if ref_logp is not None else stats.logp[:0])
+    loss = _loss_value(target, loss_type, estimator, stats.logp, stats.entropy, ref_out, stats.full_kl, rows, bounds)
+    return loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, grad
+
+
+def _forward_fake(logits, ref_logits, target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp,
+                  bounds, loss_type, estimator, entropy_grad, with_grad, backend):
+    n, vocab = target.shape[0], logits.shape[-1]
+    acc = accumulation_dtype(logits.dtype)
+    full = terms.split_estimator(estimator)[0] == "full"
+    new = lambda size: logits.new_empty(size, dtype=acc)  # noqa: E731
+    return (new(()), new(n), new(n), new(n if ref_logits is not None else 0), new(n if full else 0),
+            logits.new_empty((n if with_grad else 0, vocab)))
+
+
+@torch.library.custom_op("kltriton::loss_scale_", mutates_args=("grad",))
+def loss_scale_(grad: torch.Tensor, upstream: torch.Tensor, backend: str) -> None:
+    """``grad *= upstream`` in place; no ``[N, V]`` traffic when ``upstream == 1`` (cpp / triton)."""
+    dispatch.implementation("loss", backend).scale_(grad, upstream.detach())
+
+
+@loss_scale_.register_fake
+def _loss_scale_fake(grad, upstream, backend):
+    return None
+
+
+def _backward(saved, grads):
+    g_loss = grads["loss"]
+    if g_loss is None:
+        return {}
+    grad = saved.grad
+    if is_fake(grad):
+        # Traced by torch.compile (AOTAutograd): an in-place update of a saved forward output cannot be
+        # partitioned, and functionalization would copy the buffer anyway; scale out of place.
+        return {"logits": (grad * g_loss.to(grad.dtype)).view(saved.logits.shape)}
+    # Eager: the gradient was written in the forward; scale it in place (nothing is read or written
+    # when the upstream gradient is 1, decided by the kernel) and hand that buffer to autograd.
+    loss_scale_(grad, g_loss, saved.backend)
+    return {"logits": grad.view(saved.logits.shape)}
+
+
+loss_forward = define_op(
+    "loss_forward", _forward, outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "grad"),
+    fake=_forward_fake, save=("logits", "backend", "grad"), backward=_backward, materialize_grads=False)
+
+
+# --- argument checks ---------------------------------------------------------------------------
+
+def _check_float(name, value, minimum=None, strictly=False, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a python float{' or None' if allow_none else ''}, got {type(value).__name__}")
+    if minimum is not None and (value <= minimum if strictly else value < minimum):
+        raise ValueError(f"{name} must be {'>' if strictly else '>='} {minimum}, got {value}")
+    return float(value)
+
+
+def _check_per_token(name, tensor, shape, device, allow_none=True):
+    if tensor is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} is required")
+    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor of shape {tuple(shape)}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading shape), got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
+    return tensor.detach().reshape(-1)
+
+
+def _check_estimator(kl_estimator, with_ref_logits):
+    if not isinstance(kl_estimator, str):
+        raise TypeError(f"kl_estimator must be a str, got {type(kl_estimator).__name__}")
+    straight = kl_estimator in STRAIGHT_THROUGH
+    base = estimators.canonical(kl_estimator[:-1] if straight else kl_estimator)
+    if base == "full" and not with_ref_logits:
+        raise ValueError("kl_estimator='full' needs reference logits in ref, not reference log-probs")
+    return base + ("+" if straight and base != "k2" else "")
+
+
+def _logits_tensor(logits):
+    """The policy logits. ``LinearLogits`` (hidden states and an LM head, issue 14) plugs in here: it
+    needs the loss family's per-tile gradient for hidden / weight (see the issue 15 notes)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    check_logits(logits)
+    return logits
+
+
+# --- sequence-level weights ---------------------------------------------------------------------
+
+def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype):
+    """``[N]`` weights with ``agg(x) = sum_n w[n] * x[n]`` (verl ``agg_loss``, single process)."""
+    valid = scored.to(dtype)
+    if aggregation == "token-sum":
+        return valid
+    if aggregation == "token-mean":
+        return valid / valid.sum().clamp(min=1)
+    counts = torch.zeros(num_seqs, dtype=dtype, device=valid.device).index_add_(0, seq_index, valid)
+    nonempty = (counts > 0).to(dtype).sum().clamp(min=1)
+    if aggregation == "seq-mean-token-mean":
+        return valid / counts.clamp(min=1)[seq_index] / nonempty
+    weights = valid / nonempty
+    return weights / horizon if aggregation == "seq-mean-token-sum-norm" else weights
+
+
+def _default_horizon(layout, cu_seqlens, n, device):
+    """The padded length: ``T`` of ``[B, T]``, the longest packed segment, or ``N`` for one flat sequence."""
+    if len(layout.shape) >= 2:
+        return runtime_scalar(layout.shape[-1], device)
+    if cu_seqlens is not None and cu_seqlens.numel() > 1:
+        return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64)
+    return runtime_scalar(max(n, 1), device)
+
+
+def _importance_weights(old, rollout, is_mode, is_cap, scored, seq_index, num_seqs):
+    """``(weights, masked, log_ratio)`` of rollout importance sampling (TRL's vLLM correction): the ratio
+    ``exp(old - rollout)`` per token or per sequence, truncated at ``is_cap`` or zeroed above it."""
+    diff = torch.where(scored & ~torch.isnan(old - rollout), old - rollout, torch.zeros_like(old))
+    log_w = diff
+    if is_mode is not None and is_mode.startswith("sequence"):
+        per_seq = torch.zeros(num_seqs, dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)
+        log_w = per_seq[seq_index]
+    w = torch.exp(log_w)
+    over = (w > is_cap) & scored
+    if is_mode is None:
+        weights = torch.ones_like(w)
+    elif is_mode.endswith("truncate"):
+        weights = torch.clamp(w, max=is_cap)
+    else:
+        weights = torch.where(w > is_cap, torch.zeros_like(w), w)
+    return weights, over, diff
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+def _masked_mean(values, scored, count):
+    return torch.where(scored, values, torch.zeros_like(values)).sum() / count
+
+
+def _metrics(token, scored, entropy, is_info):
+    count = scored.float().sum().clamp(min=1)
+    any_scored = scored.any()
+    zero = torch.zeros((), dtype=torch.float32, device=scored.device)
+    ratio = token.ratio.float()
+    log_ratio = token.log_ratio.float()  # clamped to [-20, 20] except for gspo, as in verl
+    metrics = {
+        "clipfrac": _masked_mean(token.clipped.float(), scored, count),
+        "clipfrac_lower": _masked_mean(token.clipped_lower.float(), scored, count),
+        "ppo_kl": _masked_mean(-log_ratio, scored, count),
+        "kl_mean": _masked_mean(token.kl.float().detach(), scored, count),
+        "entropy_mean": _masked_mean(entropy.float().detach(), scored, count),
+        "ratio_max": torch.where(any_scored, torch.where(scored, ratio, float("-inf")).max(), zero).detach(),
+        "ratio_min": torch.where(any_scored, torch.where(scored, ratio, float("inf")).min(), zero).detach(),
+    }
+    if is_info is not None:
+        weights, over, diff = is_info
+        metrics["is_weight_mean"] = _masked_mean(weights.float(), scored, count)
+        metrics["is_masked_frac"] = _masked_mean(over.float(), scored, count)
+        metrics["mismatch_k3"] = _masked_mean((torch.expm1(diff) - diff).float(), scored, count)
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+# --- public function ----------------------------------------------------------------------------
+
+def policy_loss(
+    logits,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref=None,
+    loss_type: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: Optional[float] = None,
+    entropy_coef: float = 0.0,
+    rollout_logprobs: Optional[torch.Tensor] = None,
+    is_mode: Optional[str] = None,
+    is_cap: float = 2.0,
+    aggregation: str = "token-mean",
+    horizon=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    shift_labels: bool = False,
+    backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
+) -> PolicyLossOutput:
+    """The policy loss ``agg(pg * is_weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
+
+    Args:
+        logits: policy logits ``[..., V]`` (``S = logits.shape[:-1]``, as ``token_logprobs``).
+        labels, temperature, ignore_index, mask, cu_seqlens, shift_labels, backend: as in ``token_logprobs``.
+        advantages: ``S`` (per token) or ``[num_seqs]`` (per sequence: rows of ``[B, T]``, segments of
+            ``cu_seqlens``, or one for a flat ``[N]``).
+        old_logprobs: ``S`` log-probs of the policy that sampled; ``None``: on-policy (ratio 1, live gradient).
+        ref: reference logits (same shape as ``logits``, read in the same pass) or log-probs ``S``.
+        loss_type: ``"ppo"`` (verl vanilla: ``clip_low``, ``clip_high`` (default ``clip_low``) and the dual
+            clip ``dual_clip=c > 1`` for negative advantages; GRPO / DAPO are this), ``"gspo"``, ``"cispo"``.
+        kl_coef, kl_estimator, kl_clamp: the KL penalty (estimators of ``token_kl``, and verl's
+            straight-through ``"k3+"``-style names); needs ``ref`` when ``kl_coef != 0``.
+        entropy_coef: weight of the entropy bonus (subtracted).
+        rollout_logprobs, is_mode, is_cap: rollout importance sampling (``"token_truncate"``,
+            ``"token_mask"``, ``"sequence_truncate"``, ``"sequence_mask"``; TRL's names) with weights
+            ``exp(old - rollout)`` (summed over the sequence for ``sequence_*``) truncated at ``is_cap``
+            or zeroed above it. Without ``is_mode`` the mismatch is only reported in the metrics.
+        aggregation: verl ``agg_loss`` mode; ``horizon`` divides ``"seq-mean-token-sum-norm"`` (default:
+            the padded length ``T``, the longest packed segment, or ``N``).
+        process_group, vocab_start: vocab-parallel logits (and reference logits), as in ``token_kl``:
+            every rank gets the global loss and the gradient of its shard (the two-pass route).
+
+    Returns:
+        ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
+        the others fp32 ``S`` (0 where not scored, detached), ``metrics`` 0-dim tensors: ``clipfrac``,
+        ``clipfrac_lower``, ``ppo_kl``, ``kl_mean``, ``entropy_mean``, ``ratio_max``, ``ratio_min`` and, with
+        ``rollout_logprobs``, ``is_weight_mean``, ``is_masked_frac``, ``mismatch_k3``.
+    """
+    logits = _logits_tensor(logits)
+    device, shape = logits.device, logits.shape[:-1]
+    if loss_type not in terms.LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {terms.LOSS_TYPES}, got {loss_type!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if is_mode is not None and is_mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
+    if is_mode is not None and rollout_logprobs is None:
+        raise ValueError(f"is_mode={is_mode!r} needs rollout_logprobs")
+    clip_low = _check_float("clip_low", clip_low, 0.0)
+    clip_high = clip_low if clip_high is None else _check_float("clip_high", clip_high, 0.0)
+    dual_clip = _check_float("dual_clip", dual_clip, 1.0, strictly=True, allow_none=True)
+    if dual_clip is not None and loss_type != "ppo":
+        raise ValueError(f"dual_clip applies to loss_type='ppo' only, got loss_type={loss_type!r}")
+    kl_coef = _check_float("kl_coef", kl_coef)
+    entropy_coef = _check_float("entropy_coef", entropy_coef)
+    kl_clamp = estimators.check_kl_clamp(kl_clamp)
+    is_cap = _check_float("is_cap", is_cap, 0.0, strictly=True)
+    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or horizon <= 0):
+        raise ValueError(f"horizon must be a positive number or None, got {horizon!r}")
+
+    with_ref_logits = ref is not None and ref_is_logits(logits, ref)
+    if ref is None and kl_coef != 0.0:
+        raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
+    estimator = _check_estimator(kl_estimator, with_ref_logits) if ref is not None else ""
+    temperature = check_temperature(temperature, device, logits.shape[:-1])
+    shard = vocab_shard(logits, process_group, vocab_start)
+    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                          shift_labels=shift_labels, with_seq_index=True,
+                          vocab=None if shard is None else shard.vocab)
+    target, seq_index, num_seqs = layout.target, layout.seq_index, layout.num_seqs
+    n = target.numel()
+    acc = accumulation_dtype(logits.dtype)
+
+    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
+        raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
+    if advantages.device != device:
+        raise ValueError(f"advantages is on {advantages.device} but logits are on {device}")
+    if tuple(advantages.shape) == tuple(shape):
+        adv = advantages.detach().reshape(-1).to(acc)
+    elif advantages.dim() == 1 and advantages.shape[0] == num_seqs:
+        adv = advantages.detach().to(acc)[seq_index]
+    else:
+        raise ValueError(f"advantages must have shape {tuple(shape)} or [num_seqs] = [{num_seqs}], "
+                         f"got {tuple(advantages.shape)}")
+    old = _check_per_token("old_logprobs", old_logprobs, shape, device)
+    old = None if old is None else old.to(acc)
+    rollout = _check_per_token("rollout_logprobs", rollout_logprobs, shape, device)
+    ref_logp_given = None if ref is None or with_ref_logits else _check_per_token("ref", ref, shape, device).to(acc)
+
+    scored = target != SKIP
+    horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
+    agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
+    bounds = torch.stack([runtime_scalar(1.0 - clip_low, device), runtime_scalar(1.0 + clip_high, device),
+                          runtime_scalar(dual_clip if dual_clip is not None else float("inf"), device),
+                          runtime_scalar(kl_clamp if kl_clamp is not None else float("inf"), device)])
+    w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
+    w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
+    ref_logits = ref.detach() if with_ref_logits else None
+
+    # Vocab-parallel takes the two-pass route: the gradient coefficients need the global statistics.
+    fused = loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
+    is_info = None
+    if fused:
+        if rollout is not None:
+            is_info = _importance_weights(old, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
+        w_pg = agg_w if is_info is None else agg_w * is_info[0]
+        name = dispatch.resolve(backend, "loss", device.type, logits.dtype == torch.float64)
+        with_grad = torch.is_grad_enabled() and logits.requires_grad
+        loss, logp, entropy, ref_logp, full_kl, _ = loss_forward(
+            logits, ref_logits, target, temperature, old, adv, w_pg, w_kl, w_ent, ref_logp_given, bounds,
+            loss_type, estimator, entropy_coef != 0.0, with_grad, name)
+        if ref_logits is None:
+            ref_logp = ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp)
+        token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv, bounds,
+                                  scored, seq_index, num_seqs)
+    else:  # two passes: the differentiable stream op, the formulas in PyTorch, autograd
+        name = stream_backend(backend, logits)
+        stats = stream(logits, ref_logits, target, temperature, with_entropy=True,
+                       with_full_kl=estimator == "full", backend=name, shard=shard)
+        logp, entropy = stats.logp, stats.entropy
+        ref_logp = stats.ref_logp if ref_logits is not None else (
+            ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
+        if rollout is not None:
+            old_for_is = logp.detach() if old is None else old
+            is_info = _importance_weights(old_for_is, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
+        w_pg = agg_w if is_info is None else agg_w * is_info[0]
+        token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, stats.full_kl, old, adv, bounds,
+                                  scored, seq_index, num_seqs)
+        loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
+        logp, entropy = logp.detach(), entropy.detach()
+
+    metrics = _metrics(token, scored, entropy, is_info)
+    view = lambda t: t.detach().float().view(shape)  # noqa: E731
+    return PolicyLossOutput(loss, view(logp), view(ref_logp), view(token.kl), view(entropy), view(token.ratio),
+                            metrics)

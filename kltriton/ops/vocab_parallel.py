@@ -1,0 +1,218 @@
+"""Vocab-parallel ``stream``: each rank of a process group holds a contiguous vocabulary shard.
+
+Rank ``r`` holds ``logits[..., V_r]``, the ids ``[start_r, start_r + V_r)``; labels are global ids.
+
+Forward: each rank runs the ``stream`` kernel on its shard as if it were the whole row (a row whose
+label is on another shard is scored on a dummy in-shard label, column 0, and its log-prob ignored),
+then ONE all-gather exchanges ``m`` fp32 numbers per row (``m`` = 2 for log-probs: local lse and
+label log-prob; +1 entropy; +2 reference lse and label log-prob; +1 full KL), and every rank merges
+them with ``kltriton.kernels.merge.merge_shards`` into the exact global statistics.
+
+Backward: no communication. The ``stream`` backward kernel, given the *global* lse (and global
+entropy, KL, reference lse), computes exactly the global gradient restricted to the shard, except
+that it adds the label term ``g_logp / T`` at the dummy label of rows whose label lives on another
+shard; column 0 of those rows is rewritten from its exact value (``O(N)``, float64, no cast error).
+
+The collective is ``torch.distributed._functional_collectives.all_gather_single``, which
+``torch.compile`` traces; the autograd function never differentiates through a collective.
+"""
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from kltriton._inputs import host_checks
+from kltriton.kernels import OUT_OF_RANGE, SKIP
+from kltriton.kernels.merge import NOT_HERE, merge_shards
+from kltriton.kernels.stream import StreamStats
+from kltriton.ops.stream import stream_backward, stream_forward
+
+# Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
+# label past the last shard then lies in no shard and its position gives NaN, like OUT_OF_RANGE.
+UNBOUNDED = 2 ** 62
+
+
+def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``[K * M, ...]``: every rank's ``[M, ...]`` tensor in rank order, as a functional collective
+    (traced by ``torch.compile``). Imported here: builds without ``torch.distributed`` lack it."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol.all_gather_single(tensor, 0, group)
+
+
+class VocabShard(NamedTuple):
+    group: object                    # torch.distributed.ProcessGroup
+    start: Union[int, torch.Tensor]  # first global id of this rank's shard (0-dim int64 when learned on the device)
+    size: int                        # V_local, this rank's number of ids
+    vocab: Union[int, torch.Tensor]  # labels must be < vocab: the global V, or UNBOUNDED when not learned
+
+
+def _check_tiling(table, vocab_start):
+    """``table``: per rank ``[start, V_local, rows]``; the shards must tile ``[0, V)`` and agree on rows."""
+    if len({rows for _, _, rows in table}) != 1:
+        raise ValueError("logits must have the same leading shape on every rank of process_group, got "
+                         f"{[rows for _, _, rows in table]} rows")
+    spans = sorted((start, start + size, rank) for rank, (start, size, _) in enumerate(table))
+    end = 0
+    for start, stop, _ in spans:
+        if start != end:
+            shown = ", ".join(f"rank {r}: [{a}, {b})" for a, b, r in sorted(spans, key=lambda s: s[2]))
+            raise ValueError(f"vocab_start: the ranks' shards [vocab_start, vocab_start + V_local) must tile "
+                             f"[0, V) without gaps or overlaps, got {shown} (this rank passed {vocab_start})")
+        end = stop
+
+
+def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[VocabShard]:
+    """This rank's shard of the vocabulary, or ``None`` without a process group.
+
+    ``vocab_start=None`` learns it with one all-gather of 3 int64 per rank (the sum of the lower
+    ranks' ``V_local``). With validation on (``kltriton.set_validation``), the same all-gather checks
+    that the shards tile ``[0, V)`` and that every rank has the same number of rows (a host sync);
+    with validation off and ``vocab_start`` given, nothing is exchanged here.
+    """
+    if process_group is None:
+        if vocab_start is not None:
+            raise ValueError("vocab_start is only meaningful with a process_group")
+        return None
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    if vocab_start is not None:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+            raise TypeError(f"vocab_start must be an int or None, got {type(vocab_start).__name__}")
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    size = logits.shape[-1]
+    validate = host_checks()
+    if vocab_start is not None and not validate:
+        return VocabShard(process_group, vocab_start, size, UNBOUNDED)
+    rank = dist.get_rank(process_group)
+    rows = logits.numel() // size
+    mine = torch.tensor([-1 if vocab_start is None else vocab_start, size, rows], dtype=torch.int64,
+                        device=logits.device)
+    table = _all_gather(mine, process_group).view(-1, 3)
+    if not validate:  # vocab_start is None: learn it on the device, no host sync
+        sizes = table[:, 1]
+        return VocabShard(process_group, sizes[:rank].sum(), size, sizes.sum())
+    table = table.tolist()
+    lower = 0
+    for entry in table:  # a rank that passed None takes the default start
+        entry[0], lower = (lower if entry[0] < 0 else entry[0]), lower + entry[1]
+    _check_tiling(table, vocab_start)
+    return VocabShard(process_group, table[rank][0], size, sum(entry[1] for entry in table))
+
+
+def exchange_stats(local: StreamStats, has_label: torch.Tensor, group) -> Tuple[StreamStats, torch.Tensor]:
+    """Global statistics from every rank's local ones: one all-gather of ``m`` values per row.
+
+    Args:
+        local: this rank's ``StreamStats`` of its shard (``[N]`` each; absent ones empty), as the
+            ``stream`` kernel returns them for the shard alone.
+        has_label: ``[N]`` bool, whether this rank's shard holds the row's label (its ``logp`` /
+            ``ref_logp`` are then the label's local log-probs; elsewhere they are ignored).
+    Returns:
+        ``(StreamStats, labelled)``: the merged global ``[N]`` statistics (``merge_shards``) and
+        ``[N]`` bool, whether any rank holds the row's label (no outputs are masked here).
+    """
+    n = local.lse.shape[0]
+    present = lambda t: t.shape[0] == n  # noqa: E731
+    label = lambda logp: torch.where(has_label, logp, torch.full_like(logp, NOT_HERE))  # noqa: E731
+    columns = [local.lse, label(local.logp)]
+    with_entropy, with_ref, with_kl = present(local.entropy), present(local.ref_lse), present(local.full_kl)
+    if with_entropy:
+        columns.append(local.entropy)
+    if with_ref:
+        columns += [local.ref_lse, label(local.ref_logp)]
+    if with_kl:
+        columns.append(local.full_kl)
+    payload = torch.stack(columns)                            # [m, N]
+    gathered = _all_gather(payload, group)                 # [K * m, N], rank-major
+    parts = iter(gathered.view(-1, len(columns), n).unbind(1))  # m tensors [K, N]
+    lse, label_logp = next(parts), next(parts)
+    entropy = next(parts) if with_entropy else None
+    ref_lse, ref_label_logp = (next(parts), next(parts)) if with_ref else (None, None)
+    full_kl = next(parts) if with_kl else None
+    merged = merge_shards(lse, label_logp, entropy, ref_lse, ref_label_logp, full_kl)
+    return merged, (label_logp != NOT_HERE).any(0)
+
+
+def dummy_column_grad(logits, ref_logits, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
+                      g_full_kl, full_kl) -> torch.Tensor:
+    """``[N]`` float64: the ``stream`` gradient at column 0 of each row, without the label term.
+
+    The ``stream`` backward formula (``kltriton.kernels.stream``) with ``onehot = 0``, evaluated in
+    float64 on one logit per row; global statistics in, so this is the exact global gradient.
+    """
+    t = temperature.double()
+    lp = logits[..., 0].reshape(-1).double() / t - lse.double()
+    p = lp.exp()
+    c = g_logp.double() if g_logp is not None else torch.zeros_like(p)
+    if g_entropy is not None:
+        c = c + g_entropy.double() * (lp + entropy.double())
+    if g_full_kl is not None:
+        lq = ref_logits[..., 0].reshape(-1).double() / t - ref_lse.double()
+        c = c - g_full_kl.double() * (lp - lq - full_kl.double())
+    # p > 0 is False where p is 0 (no mass: no gradient) or NaN (non-finite lse: the kernel zeroes the row).
+    return torch.where(p > 0, -p * c / t, torch.zeros_like(p))
+
+
+def _masked(value, skip, bad):
+    """0 at unscored rows, NaN at rows scored on a label no shard holds (as the kernels do)."""
+    if value.shape[0] != skip.shape[0]:
+        return value
+    value = torch.where(bad, torch.full_like(value, float("nan")), value)
+    return torch.where(skip, torch.zeros_like(value), value)
+
+
+class _ShardStream(torch.autograd.Function):
+    """``stream`` over vocab shards: local kernel, one all-gather, merge; backward from the saved
+    global statistics (no collective, nothing differentiated through one)."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, target, temperature, with_entropy, with_full_kl, backend, group, start):
+        size = logits.shape[-1]
+        local_id = target - start
+        own = (target >= 0) & (local_id >= 0) & (local_id < size)
+        kernel_target = torch.where(target < 0, target, torch.where(own, local_id, torch.zeros_like(local_id)))
+        local = StreamStats(*stream_forward(logits, ref_logits, kernel_target, temperature,
+                                            with_entropy, with_full_kl, backend))
+        stats, labelled = exchange_stats(local, own, group)
+        skip = target == SKIP
+        bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
+        logp, entropy, ref_logp, full_kl = (_masked(v, skip, bad) for v in
+                                            (stats.logp, stats.entropy, stats.ref_logp, stats.full_kl))
+        lse, ref_lse = (_masked(v, skip, torch.zeros_like(bad)) for v in (stats.lse, stats.ref_lse))
+        # Backward: rows scored on a label no shard holds get no gradient (OUT_OF_RANGE); rows whose
+        # label is on another shard keep the dummy and have column 0 rewritten (``fix``).
+        backward_target = torch.where(bad, torch.full_like(kernel_target, OUT_OF_RANGE), kernel_target)
+        fix = (backward_target >= 0) & ~own
+        ctx.save_for_backward(logits, ref_logits, backward_target, temperature, lse, ref_lse, entropy, full_kl, fix)
+        ctx.flags = (with_entropy, with_full_kl, backend)
+        ctx.mark_non_differentiable(lse, ref_logp, ref_lse)
+        ctx.set_materialize_grads(False)
+        return logp, lse, entropy, ref_logp, ref_lse, full_kl
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_lse, g_entropy, _g_ref_logp, _g_ref_lse, g_full_kl):
+        logits, ref_logits, target, temperature, lse, ref_lse, entropy, full_kl, fix = ctx.saved_tensors
+        with_entropy, with_full_kl, backend = ctx.flags
+        g_entropy = g_entropy if with_entropy else None
+        g_full_kl = g_full_kl if with_full_kl else None
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        terms = (g_logp, g_entropy, entropy if g_entropy is not None else None, g_full_kl,
+                 full_kl if g_full_kl is not None else None)
+        full = g_full_kl is not None
+        grad = stream_backward(logits, ref_logits if full else None, target, temperature, lse,
+                               ref_lse if full else None, *terms, backend)
+        exact = dummy_column_grad(logits, ref_logits, temperature, lse, ref_lse, *terms)
+        column = grad.view(-1, logits.shape[-1])[:, 0]
+        column.copy_(torch.where(fix, exact.to(grad.dtype), column))
+        return grad, None, None, None, None, None, None, None, None
+
+
+def shard_stream(logits, ref_logits, target, temperature, *, with_entropy, with_full_kl, backend,
+                 shard: VocabShard) -> StreamStats:
+    """``stream`` (``kltriton.ops.stream``) of the full rows, from this rank's shard ``logits
+    [..., V_local]``; ``target`` holds global ids. Every rank of ``shard.group`` must call it with the
+    same ``target``, ``temperature`` and flags. Differentiable w.r.t. ``logits``."""
+    return StreamStats(*_ShardStream.apply(logits, ref_logits, target, temperature, with_entropy,
+                                           with_full_kl, backend, shard.group, shard.start))

@@ -1,0 +1,124 @@
+"""Extreme inputs on every backend against the float64 reference (issue 12).
+
+- Logits masked with ``finfo(dtype).min``, ``-1e30`` or ``-inf`` (vocab padding, banned tokens), a row
+  that is ``-max`` everywhere and ``+max`` at one token, masks that end or start a streaming block (so the
+  kernels rescale their running sums by factors that underflow to 0 while the shift overflows): every
+  statistic and gradient finite and exact wherever the float64 answer is finite.
+- The reference backend as exact as torch's own fp32 ``log_softmax`` (logits ~200, +-1e30 with ties).
+- NaN / +inf logits: NaN statistics on every backend, and one gradient rule (zero on a row whose lse is
+  not finite).
+"""
+import math
+
+import pytest
+import torch
+
+from helpers import MIXED_GRAD_RTOL, assert_close, temp
+from kltriton import dispatch
+from kltriton.kernels.stream import reference
+
+# V = 4500: two Triton blocks of 4096 and nine C++ blocks of 512 floats, so masks cross block edges.
+VOCAB = 4500
+
+
+def _impl(backend):
+    return dispatch.implementation("stream", backend)
+
+
+def masked_rows(dtype, mask_value, with_max_row):
+    """``[R, V]`` policy and reference logits in ``dtype`` with masked stretches, and targets ``[R]``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, VOCAB, generator=g) * 3
+    y = x + torch.randn(7, VOCAB, generator=g)
+    x[0, -300:] = mask_value            # vocab padding at the end (last block), both models
+    y[0, -300:] = mask_value
+    x[1, :4200] = mask_value            # masked first block: the next block's max rescales by ~0
+    y[1, :4200] = mask_value
+    x[2, ::2] = mask_value              # every other token banned, both models
+    y[2, ::2] = mask_value
+    x[3, 100:200] = mask_value          # policy masked only: p = 0 there, no KL term
+    y[4, 1::3] = -1e30                  # reference masked where the policy has mass: KL ~ 1e29
+    x[5, :] = mask_value                # all masked but one token in the second block
+    x[5, 4400] = 5.0
+    y[5] = x[5]
+    if with_max_row:
+        big = torch.finfo(dtype).max
+        x[6, :] = -big                  # -max everywhere, +max at one token (in the second block)
+        x[6, 4321] = big
+        y[6] = x[6]
+    targets = torch.tensor([5, 4300, 1, 150, 9, 4400, 4321 if with_max_row else 7])
+    return x.to(dtype), y.to(dtype), targets
+
+
+MASKS = {"finfo_min": None, "neg_1e30": -1e30, "neg_inf": float("-inf")}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_masked_logits_finite_and_exact(backend, dtype, mask, temperature):
+    if dtype == torch.float16 and mask == "neg_1e30":
+        pytest.skip("-1e30 is not an fp16 value")
+    mask_value = torch.finfo(dtype).min if MASKS[mask] is None else MASKS[mask]
+    # |logits| / T must stay inside the fp32 range: the +max row only with T >= 1.
+    x, y, t = masked_rows(dtype, mask_value, with_max_row=temperature >= 1.0)
+    if dtype == torch.float16:
+        y[4, 1::3] = torch.finfo(dtype).min
+    impl = _impl(backend)
+    got = impl.forward(x, y, t, temp(temperature), True, True)
+    exp = reference.forward(x.double(), y.double(), t, temp(temperature), True, True)
+    for name in ("logp", "entropy", "ref_logp", "full_kl"):
+        # The float64 answer rounded to fp32: a log-prob of a token masked with finfo.min at T < 1
+        # is below -finfo.max, so -inf in fp32.
+        a, e = getattr(got, name), getattr(exp, name).float()
+        assert torch.isfinite(a[torch.isfinite(e)]).all(), f"{name}: {a}"
+        assert_close(a, e, 2e-4, 2e-5, what=name)
+
+    gen = torch.Generator().manual_seed(1)
+    gl, ge, gk = (torch.randn(7, generator=gen) for _ in range(3))
+    finite_kl = torch.isfinite(exp.full_kl)
+    gk = torch.where(finite_kl, gk, torch.zeros_like(gk))  # an infinite KL has no finite gradient
+    grad = impl.backward(x, y, t, temp(temperature), got.lse, got.ref_lse, gl, ge, got.entropy, gk, got.full_kl)
+    assert torch.isfinite(grad.float()).all()
+    dbl = lambda v: v.double()  # noqa: E731
+    expected = reference.backward(x.double(), y.double(), t, temp(temperature), exp.lse, exp.ref_lse, dbl(gl),
+                                  dbl(ge), exp.entropy, dbl(gk), exp.full_kl.nan_to_num(posinf=0.0))
+    assert_close(grad, expected, 1e-5, MIXED_GRAD_RTOL[dtype], what="grad")
+
+
+def test_reference_as_exact_as_torch_log_softmax():
+    """At logits ~200 the fp32 reference errs like torch's own fp32 log_softmax (it subtracts the max first)."""
+    x = torch.randn(16, 1000, generator=torch.Generator().manual_seed(0)) * 3 + 200
+    t = torch.arange(16)
+    exact = reference.forward(x.double(), None, t, temp(1.0), False, False).logp
+    ours = reference.forward(x, None, t, temp(1.0), False, False).logp
+    torch_err = (torch.log_softmax(x, -1)[t, t].double() - exact).abs().max()
+    assert (ours.double() - exact).abs().max() <= 2 * torch_err + 1e-7
+
+
+def test_huge_ties_give_minus_log_ties(backend):
+    """+-1e30 with three tied maxima: log p = -log 3 and entropy log 3 to fp32 rounding, every backend."""
+    x = torch.full((2, 50), -1e30)
+    x[:, [3, 17, 40]] = 1e30
+    got = _impl(backend).forward(x, None, torch.tensor([17, 5]), temp(1.0), True, False)
+    assert abs(got.logp[0].item() + math.log(3)) < 1e-6 and got.logp[1].item() == torch.tensor(-2e30).item()
+    assert abs(got.entropy[0].item() - math.log(3)) < 1e-6
+
+
+def test_nan_and_inf_logits_propagate_and_share_one_gradient_rule(backend):
+    """A NaN or +inf logit: NaN statistics (never a silent 0). A row whose lse is not finite (NaN, +inf,
+    or -inf for an all -inf row) gets a zero gradient; the other rows are untouched."""
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    x[1, 50] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = float("-inf")
+    t = torch.tensor([0, 1, 2, 3])
+    got = _impl(backend).forward(x, y, t, temp(1.0), True, True)
+    for name in ("logp", "entropy", "full_kl"):
+        v = getattr(got, name)
+        assert torch.isfinite(v[0]) and torch.isnan(v[1:]).all(), (name, v)
+    assert not torch.isfinite(got.lse[1:]).any()
+    ones = torch.ones(4)
+    grad = _impl(backend).backward(x, y, t, temp(1.0), got.lse, got.ref_lse, ones, ones, got.entropy, ones,
+                                   got.full_kl)
+    assert (grad[1:] == 0).all() and torch.isfinite(grad[0]).all() and (grad[0] != 0).any()
