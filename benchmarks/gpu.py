@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OPS = ("token_logprobs", "token_kl", "fused_kl_reward")
 # Seconds per step: together under 9 minutes with the start-up of each process.
-LIMITS = {"wheels": 30, "tests": 120, "static": 60, "bench_token_logprobs": 110, "bench_token_kl": 90,
-          "bench_fused_kl_reward": 70, "plots": 20}
+LIMITS = {"wheels": 30, "tests": 170, "static": 45, "bench_token_logprobs": 100, "bench_token_kl": 80,
+          "bench_fused_kl_reward": 60, "plots": 20}
 CPU_ONLY_TESTS = ("tests/test_cpp_build.py", "tests/test_cpp_kernels.py")
 COMPILE_TESTS = ("tests/test_triton_compile.py", "tests/test_static_report.py")  # the static step does this
 
@@ -38,11 +38,11 @@ def steps(out: Path, wheels: Path = None, arch: int = 90):
     """``(name, argv, extra environment)`` of every step, in order."""
     py = sys.executable
     found = []
-    if wheels is not None:
+    if wheels is not None and any(wheels.glob("*.whl")):
         found.append(("wheels", [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                                  "--target", str(out / "site"), *sorted(str(w) for w in wheels.glob("*.whl"))], {}))
     ignored = [f"--ignore={t}" for t in CPU_ONLY_TESTS + COMPILE_TESTS]
-    found.append(("tests", [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ignored,
+    found.append(("tests", [py, "-m", "pytest", "-q", "--maxfail=20", "-p", "no:cacheprovider", *ignored,
                             f"--junitxml={out / 'tests.xml'}", "tests"],
                   {"KLTRITON_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0"}))
     found.append(("static", [py, "-m", "benchmarks", "static", "--arch", str(arch), "--jobs", str(os.cpu_count() or 1),
