@@ -120,6 +120,15 @@ def _width(op):
     return {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}[m.group(1)] if m else 32
 
 
+def _opcode(text):
+    """``LDG.E.128`` of ``@!P0 LDG.E.128 R4, desc[UR6][R24.64]`` (the predicate dropped)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def _widths(prefix, texts):
+    return sorted({_width(_opcode(t)) for t in texts if _opcode(t).startswith(prefix)})
+
+
 def analyse(compiled, elements_per_thread):
     """The report of one compiled kernel. Its vocab loop is its largest loop body ("loop_*"; the whole
     kernel when it has no loop, as the backward: one vocab block per program)."""
@@ -128,9 +137,7 @@ def analyse(compiled, elements_per_thread):
     if loops(instructions):
         start, end = max(loops(instructions), key=lambda se: se[1] - se[0])
         body = [text for address, text in instructions if start <= address <= end]
-    opcode = lambda text: re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]  # noqa: E731
-    spill_ops = sum(opcode(t).startswith(("STL", "LDL")) for _, t in instructions)
-    widths = lambda prefix, texts: sorted({_width(opcode(t)) for t in texts if opcode(t).startswith(prefix)})  # noqa: E731
+    spill_ops = sum(_opcode(t).startswith(("STL", "LDL")) for _, t in instructions)
     all_texts = [t for _, t in instructions]
     return {
         "registers": usage.get("REG"),
@@ -141,13 +148,13 @@ def analyse(compiled, elements_per_thread):
         "loop_instructions": len(body),
         "elements_per_thread_per_iteration": elements_per_thread,
         "instructions_per_element": round(len(body) / elements_per_thread, 2),
-        "loop_barriers": sum(opcode(t).startswith("BAR") for t in body),
-        "loop_shuffles": sum(opcode(t).startswith("SHFL") for t in body),
-        "loop_exp2": sum(opcode(t) == "MUFU.EX2" for t in body),
-        "loop_load_bits": widths("LDG", body),
-        "loop_store_bits": widths("STG", body),
-        "load_bits": widths("LDG", all_texts),
-        "store_bits": widths("STG", all_texts),
+        "loop_barriers": sum(_opcode(t).startswith("BAR") for t in body),
+        "loop_shuffles": sum(_opcode(t).startswith("SHFL") for t in body),
+        "loop_exp2": sum(_opcode(t) == "MUFU.EX2" for t in body),
+        "loop_load_bits": _widths("LDG", body),
+        "loop_store_bits": _widths("STG", body),
+        "load_bits": _widths("LDG", all_texts),
+        "store_bits": _widths("STG", all_texts),
     }
 
 
@@ -210,7 +217,8 @@ def problems(rows):
         where = f"{r['kernel']} {r['variant']} V={r['vocab']} {r['dtype']}"
         if r["spill_bytes"] or r["spill_instructions"]:
             found.append(f"{where}: spills ({r['spill_bytes']} bytes local memory)")
-        if r["kernel"] != "_stream_combine_kernel" and r["vocab"] % 16 == 0 and r["loop_load_bits"] and max(r["loop_load_bits"]) < 128:
+        reads_logits = r["kernel"] != "_stream_combine_kernel"
+        if reads_logits and r["vocab"] % 16 == 0 and r["loop_load_bits"] and max(r["loop_load_bits"]) < 128:
             found.append(f"{where}: no 128-bit loads in the vocab loop ({r['loop_load_bits']})")
         if "backward" not in r["kernel"] and r["loop_barriers"]:
             found.append(f"{where}: {r['loop_barriers']} barriers inside the vocab loop")

@@ -1,11 +1,15 @@
-"""Triton backend of the ``stream`` family: one program per row, streaming over the vocab in ``BLOCK_V`` chunks.
+"""Triton backend of the ``stream`` family.
 
-Forward keeps an online max ``m`` of the raw logits and sums of ``exp((x - m) / T)``,
-so nothing of size ``[N, V]`` is written and a row is read once (policy and reference
-rows in the same loop). Backward recomputes the probabilities from the saved fp32
-log-sum-exp. See ``kltriton.kernels.stream`` for the contract. Absent optional tensors are
-passed as ``None``: Triton specializes the kernel on them (a compile-time constant), so a
-variant without a reference never carries its pointer or its code.
+Forward: each lane (thread) keeps its own online max ``m`` of the raw logits and sums of
+``2^((x - m) * log2(e) / T)`` over the values it loads, for the policy and the reference row in the
+same loop; the lanes are merged once after the loop, so the vocab loop has no barrier. Nothing of
+size ``[N, V]`` is written and a row is read once. Rows longer than ``CHUNK_BLOCKS`` tiles are split
+across programs (a number that depends on ``V`` only: batch invariance) and merged by a small second
+kernel. Backward recomputes the probabilities from the saved fp32 log-sum-exp on a (row, vocab
+block) grid. See ``kltriton.kernels.stream`` for the contract and ``python -m benchmarks static``
+for what each variant compiles to. Absent optional tensors are passed as ``None``: Triton
+specializes the kernel on them (a compile-time constant), so a variant without a reference never
+carries its pointer or its code.
 """
 from typing import NamedTuple
 
