@@ -10,7 +10,9 @@ its own time limit so that one failing or slow step never stops the others:
 3. ``static``: the static SASS report compiled for this GPU's compute capability.
 4. ``bench_<op>``: the ``gpu`` benchmark grid of every op with every baseline that can run here
    (eager, torch.compile, TRL's formula and the installed ``trl``'s own function, Liger and flash-attn
-   when importable); a baseline that cannot run is a note in its rows, never a failure.
+   when importable); a baseline that cannot run is a note in its rows, never a failure. The JSON
+   (``cuda-gpu_<op>.json``) is rewritten after every case, so a step stopped at its limit keeps its
+   finished cases.
 5. ``plots``: PNGs of each results JSON (needs matplotlib).
 
 Then ``DIR/summary.md`` (and ``summary.json``): each step's status and time, and per op, mode and
@@ -20,6 +22,7 @@ case the median time of every method and kltriton's share of the measured read b
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -49,9 +52,30 @@ def steps(out: Path, wheels: Path = None, arch: int = 90):
                              "--out", str(out)],
                   {"TRITON_INTERPRET": "0"}))
     for op in OPS:
-        found.append((f"bench_{op}", [py, "-m", "benchmarks", "run", "--device", "cuda", "--grid", "gpu",
-                                      "--ops", op, "--out", str(out)], {"TRITON_INTERPRET": "0"}))
+        found.append((f"bench_{op}", [py, "-c", BENCH, op, str(out)], {"TRITON_INTERPRET": "0"}))
     return found
+
+
+BENCH = "import sys; from benchmarks.gpu import bench; bench(*sys.argv[1:])"
+
+
+def bench(op: str, out: str, grid: str = "gpu", device: str = "cuda") -> Path:
+    """The ``grid`` of one op, case by case: the JSON is rewritten after every case, so a step
+    stopped at its time limit keeps the cases it finished. Returns the JSON's path."""
+    import importlib
+
+    from benchmarks import harness
+
+    cases = harness.GRIDS[grid]
+    module = importlib.import_module(f"benchmarks.bench_{op}")
+    path = Path(out) / f"{device}-{grid}_{op}.json"
+    rows = []
+    for case in cases.cases:
+        one = harness.Grid((case,), skip=cases.skip, cpu_target_s=cases.cpu_target_s, cpu_rounds=cases.cpu_rounds)
+        rows += harness.run_op(module, one, device)
+        path.write_text(json.dumps(rows, indent=1))
+    print(f"wrote {len(rows)} rows to {path}")
+    return path
 
 
 def _run_step(name, argv, extra_env, out: Path) -> dict:
@@ -125,8 +149,8 @@ def main(argv=None) -> int:
               f"{sum(LIMITS[name] for name, _, _ in plan)} s (+ plots {LIMITS['plots']} s)")
         for name, cmd, extra_env in plan:
             env = " ".join(f"{k}={v}" for k, v in extra_env.items())
-            print(f"[{name}, {LIMITS[name]} s] {env + ' ' if env else ''}{' '.join(str(c) for c in cmd)}")
-        print(f"[plots, {LIMITS['plots']} s] python -m benchmarks plot <each cuda-*.json>")
+            print(f"[{name}, {LIMITS[name]} s] {env + ' ' if env else ''}{shlex.join(str(c) for c in cmd)}")
+        print(f"[plots, {LIMITS['plots']} s] python -m benchmarks plot <each cuda-gpu_*.json>")
         print(f"then {args.out / 'summary.md'} and summary.json")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +160,7 @@ def main(argv=None) -> int:
         print(f"{name:24s} {results[-1]['status']:30s} {results[-1]['seconds']:6.1f} s  {results[-1]['last_line']}",
               flush=True)
     rows = []
-    for path in sorted(args.out.glob("cuda-*.json")):
+    for path in sorted(args.out.glob("cuda-gpu_*.json")):
         rows += json.loads(path.read_text())
         results.append(_run_step("plots", [sys.executable, "-m", "benchmarks", "plot", str(path)], {}, args.out))
     table = summary_table(rows) if rows else "no benchmark rows were written"

@@ -21,3 +21,16 @@ def test_summary_table_shares_of_read_bandwidth():
     table = gpu.summary_table(rows)
     assert "| token_logprobs | forward | 8192 | 151936 | bf16 | 0.00 | 3000 | 90% | 1.000 | - |" in table
     assert "not run: liger: liger not installed" in table
+
+
+def test_bench_writes_after_every_case(tmp_path):
+    """The per-op step on the CPU smoke grid: a JSON of rows, every baseline present or a note."""
+    import json
+
+    path = gpu.bench("token_logprobs", str(tmp_path), grid="smoke", device="cpu")
+    rows = json.loads(path.read_text())
+    assert path.name == "cpu-smoke_token_logprobs.json"
+    timed = [r for r in rows if r["kind"] != "bandwidth"]
+    assert {"eager", "cpp", "liger", "trl_installed"} <= {r["backend"] for r in timed}
+    assert all(r["time_ms_median"] is not None or r["note"] for r in timed)
+    assert "| token_logprobs |" in gpu.summary_table(rows)
