@@ -9,6 +9,7 @@ from kltriton.dropins import (entropy_from_logits, logprobs_of_labels, selective
                               selective_log_softmax_and_entropy)
 from kltriton.ops.fused_kl_reward import KLReward, fused_kl_reward
 from kltriton.ops.policy_loss import PolicyLossOutput, policy_loss
+from kltriton.ops.linear_logits import LinearLogits
 from kltriton.ops.token_kl import KLOutput, token_kl
 from kltriton.ops.token_logprobs import token_logprobs
 
@@ -18,6 +19,7 @@ __all__ = [
     "KLOutput",
     "KLReward",
     "PolicyLossOutput",
+    "LinearLogits",
     "controllers",
     "dispatch",
     "entropy_from_logits",

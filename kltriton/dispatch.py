@@ -18,6 +18,7 @@ BACKENDS = ("triton", "cpp", "reference")
 FAMILIES = {
     "stream": "statistics streamed over rows of logits",
     "loss": "policy loss with its logits gradient produced in the forward",
+    "linear": "the stream statistics of logits given as hidden @ weight.T (GEMM tiles)",
 }
 # The automatic choice per device, in order of preference.
 _PREFERENCE = {"cuda": ("triton", "reference"), "cpu": ("cpp", "reference")}

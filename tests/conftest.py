@@ -15,6 +15,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TEST_DEVICE = os.environ.get("KLTRITON_TEST_DEVICE", "cpu")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: longer than 30 s; deselect with -m 'not slow'")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Every backend usable on this machine; CPU tensors reach Triton through the interpreter."""

@@ -144,3 +144,40 @@ def test_peak_memory_below_eager(tmp_path):
           f"eager {eager:.0f} MB, adapter {adapter:.0f} MB")
     assert eager > results["eager"]["logits_mb"]  # the full logits were materialized
     assert adapter < eager / 2
+
+
+def gemma2_softcap():
+    cfg = transformers.Gemma2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, vocab_size=V, max_position_embeddings=64,
+                                    final_logit_softcapping=2.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # logits well beyond the cap, so the tanh matters
+    return model
+
+
+def granite_scaled():
+    cfg = transformers.GraniteConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                     num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
+                                     logits_scaling=0.25, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GraniteForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("make", [gemma2_softcap, granite_scaled], ids=["gemma2-softcap", "granite-scaling"])
+def test_head_scaling_from_config_and_no_logits(make):
+    """Softcap / logit scaling read from the config match the model's own logits; the LM head module
+    is never called (no logits are built); the head's weight gets its gradient."""
+    torch.manual_seed(2)
+    model = make()
+    calls = []
+    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    seqs, ids, mask, packed, cu = batch("right")
+    out = causal_lm_logprobs(model, ids, mask)
+    assert not calls
+    model.lm_head.weight.grad = None
+    out.logprobs.sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    for i, seq in enumerate(seqs):
+        calls.clear()
+        want = eager_logprobs(model, seq).float()
+        torch.testing.assert_close(rows(out.logprobs, mask, cu, i, True), want, atol=2e-5, rtol=1e-5)

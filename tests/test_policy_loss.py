@@ -385,3 +385,26 @@ def test_bad_advantages_shape():
     d = batch()
     with pytest.raises(ValueError, match="advantages"):
         kltriton.policy_loss(d.logits, d.labels, torch.randn(5))
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo"])
+def test_linear_logits_equal_dense_logits(loss_type):
+    """From hidden states: the same loss and the same gradients w.r.t. hidden, weight and bias as
+    policy_loss on the logits ``hidden @ weight.T + bias`` (float64, so any difference is a bug)."""
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, v = 3, 7, 16, 101
+    hidden = torch.randn(b, t, h, dtype=torch.float64, generator=gen).requires_grad_()
+    weight = torch.randn(v, h, dtype=torch.float64, generator=gen).requires_grad_()
+    bias = torch.randn(v, dtype=torch.float64, generator=gen).requires_grad_()
+    labels = torch.randint(0, v, (b, t), generator=gen)
+    advantages = torch.randn(b, t, dtype=torch.float64, generator=gen)
+    old = torch.randn(b, t, dtype=torch.float64, generator=gen) * 0.1 - 4.0
+    ref = torch.randn(b, t, v, dtype=torch.float64, generator=gen)
+    mask = torch.rand(b, t, generator=gen) < 0.8
+    kwargs = dict(old_logprobs=old, ref=ref, kl_coef=0.1, loss_type=loss_type, mask=mask, entropy_coef=0.01)
+    lin = kltriton.policy_loss(kltriton.LinearLogits(hidden, weight, bias), labels, advantages, **kwargs)
+    dense = kltriton.policy_loss(hidden @ weight.T + bias, labels, advantages, **kwargs)
+    assert_close(lin.loss, dense.loss, 1e-12, what="loss")
+    for got, want, name in zip(torch.autograd.grad(lin.loss, (hidden, weight, bias)),
+                               torch.autograd.grad(dense.loss, (hidden, weight, bias)), ("hidden", "weight", "bias")):
+        assert_close(got, want, 1e-12, what=name)

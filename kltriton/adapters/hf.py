@@ -1,15 +1,15 @@
 """Hugging Face causal LMs: per-token log-probs (and KL against a reference) through kltriton's kernels.
 
-The LM head runs only on the scored positions (``logits_to_keep`` with a boolean mask, or the
-output embeddings applied to the gathered hidden states), so a full ``[B, T, V]`` logits tensor is
-never built, and the log-probs come from the fused kernels with no ``log_softmax``.
+The backbone runs once; its LM head is handed to the kernels as a ``kltriton.LinearLogits`` (with the
+softcap / logit scale of the model's config), so no logits are built at all: only the scored
+positions are projected, in tiles, and the log-probs come from the fused kernels.
 transformers is never imported here: the model object brings it.
 """
-import inspect
 from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton.ops.linear_logits import LinearLogits
 from kltriton.ops.token_kl import token_kl
 from kltriton.ops.token_logprobs import token_logprobs
 
@@ -42,18 +42,25 @@ def _positions_from_cu_seqlens(cu_seqlens, n, device):
     return torch.arange(n, device=device) - starts
 
 
-def _accepts_logits_to_keep(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+def _head_scaling(config):
+    """``(logit_scale, softcap)`` of a causal LM's head from its config: Cohere multiplies the logits
+    by ``logit_scale``, Granite divides them by ``logits_scaling``, Gemma 2/3 cap them with
+    ``final_logit_softcapping``."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(config, "logit_scale", None) or 1.0)
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return scale, None if softcap is None else float(softcap)
 
 
-def _scored_logits(model, input_ids, attention_mask, position_ids, scored):
-    """``[M, V]`` logits of the ``M`` scored positions, in order of ``scored.nonzero()``."""
+def _linear_logits(model, input_ids, attention_mask, position_ids) -> LinearLogits:
+    """The model's logits ``[B, T, V]`` as a ``LinearLogits`` over its last hidden states."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if _accepts_logits_to_keep(model):
-        logits = model(**kwargs, logits_to_keep=scored).logits
-        return logits.reshape(-1, logits.shape[-1])
     hidden = model.base_model(**kwargs).last_hidden_state
-    return model.get_output_embeddings()(hidden[scored])
+    head = model.get_output_embeddings()
+    scale, softcap = _head_scaling(model.config)
+    return LinearLogits(hidden, head.weight, getattr(head, "bias", None), logit_scale=scale, softcap=softcap)
 
 
 def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None, position_ids=None,
@@ -96,17 +103,16 @@ def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     flat_response = None if response_mask is None else response_mask.reshape(input_ids.shape)
     scored = _scored_positions(input_ids, attention_mask, position_ids if packed else None, flat_response)
-    labels = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
     labels[..., :-1] = input_ids[..., 1:]
-    labels = labels[scored]
+    labels = labels.masked_fill(~scored, -100)
 
-    logits = _scored_logits(model, input_ids, attention_mask, position_ids, scored)
-    out = lambda values: torch.zeros(scored.shape, dtype=values.dtype, device=values.device).index_put(  # noqa: E731
-        (scored,), values).reshape(shape)
+    logits = _linear_logits(model, input_ids, attention_mask, position_ids)
     if ref_model is None:
-        return CausalLMLogprobs(out(token_logprobs(logits, labels, temperature=temperature, backend=backend)))
+        logp = token_logprobs(logits, labels, temperature=temperature, backend=backend)
+        return CausalLMLogprobs(logp.reshape(shape))
     with torch.no_grad():
-        ref_logits = _scored_logits(ref_model, input_ids, attention_mask, position_ids, scored)
-    kl, logp, ref_logp = token_kl(logits, ref_logits.to(logits.dtype), labels, estimator=estimator,
-                                  kl_clamp=kl_clamp, temperature=temperature, backend=backend)
-    return CausalLMLogprobs(out(logp), out(kl), out(ref_logp))
+        ref_logits = _linear_logits(ref_model, input_ids, attention_mask, position_ids)
+    kl, logp, ref_logp = token_kl(logits, ref_logits, labels, estimator=estimator, kl_clamp=kl_clamp,
+                                  temperature=temperature, backend=backend)
+    return CausalLMLogprobs(logp.reshape(shape), kl.reshape(shape), ref_logp.reshape(shape))

@@ -186,7 +186,7 @@ def _why_trl_loss(trainer, inputs) -> Optional[str]:
         (trainer.loss_type == "cispo" and trainer.epsilon_high <= 1.0, "CISPO with epsilon_high <= 1"),
         (args.delta is not None and args.delta < 1 + trainer.epsilon_high,
          "delta < 1 + epsilon_high is not a dual clip"),
-        (args.use_bias_correction_kl, "use_bias_correction_kl=True"),
+        (trainer.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl=True with beta != 0"),
         (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold is set"),
         (trainer.top_entropy_quantile < 1.0, "top_entropy_quantile < 1"),
         (trainer._entropy_bonus_enabled, "the entropy bonus is on"),

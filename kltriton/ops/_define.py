@@ -20,7 +20,8 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None, materialize_gr
         fake: same arguments as ``fn``, returns empty tensors of the outputs' shapes and dtypes.
         save: names of ``fn``'s parameters and of ``outputs`` that ``backward`` reads.
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save``
-            names as attributes, ``grads`` maps output names to their gradient (``None`` when that
+            names as attributes (and ``needs_grad``: input name -> whether autograd wants its
+            gradient), ``grads`` maps output names to their gradient (``None`` when that
             output was not used). Omit it for an op that is not differentiable.
         materialize_grads: False passes ``None`` (not zeros) for unused outputs' gradients to
             ``backward``: an op with a large output that is never differentiated then allocates
@@ -41,7 +42,8 @@ def define_op(name, fn, *, outputs, fake, save=(), backward=None, materialize_gr
         ctx.set_materialize_grads(materialize_grads)
 
     def autograd_backward(ctx, *grads):
-        saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain)
+        saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain,
+                                needs_grad=dict(zip(params, ctx.needs_input_grad)))
         result = backward(saved, dict(zip(outputs, grads)))
         return tuple(result.get(p) for p in params)
 

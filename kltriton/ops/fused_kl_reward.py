@@ -10,7 +10,7 @@ import torch
 
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
 from kltriton.kernels import SKIP
-from kltriton.ops.stream import stream_backend
+from kltriton.ops.linear_logits import is_linear, logits_backend
 from kltriton.ops.token_kl import check_estimator, kl_of_target, ref_is_logits
 from kltriton.ops.vocab_parallel import vocab_shard
 
@@ -136,7 +136,8 @@ def fused_kl_reward(
         ``rewards`` unchanged, or 0) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
         positions (0 if it has none). Gradient flows to the policy ``logits`` through ``kl``.
     """
-    check_logits(logits)
+    if not is_linear(logits):
+        check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
@@ -146,7 +147,7 @@ def fused_kl_reward(
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True, vocab=None if shard is None else shard.vocab)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
-    backend = stream_backend(backend, logits)
+    backend = logits_backend(backend, logits, ref)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)

@@ -20,7 +20,7 @@ from kltriton._inputs import build_layout, check_logits, check_temperature, runt
 from kltriton.kernels import SKIP, accumulation_dtype
 from kltriton.kernels.loss import LossRows, terms
 from kltriton.ops._define import define_op
-from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
 from kltriton.ops.token_kl import ref_is_logits
 from kltriton.ops.vocab_parallel import vocab_shard
 
@@ -154,15 +154,6 @@ def _check_estimator(kl_estimator, with_ref_logits):
     return base + ("+" if straight and base != "k2" else "")
 
 
-def _logits_tensor(logits):
-    """The policy logits. ``LinearLogits`` (hidden states and an LM head, issue 14) plugs in here: it
-    needs the loss family's per-tile gradient for hidden / weight (see the issue 15 notes)."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    check_logits(logits)
-    return logits
-
-
 # --- sequence-level weights ---------------------------------------------------------------------
 
 def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype):
@@ -271,7 +262,9 @@ def policy_loss(
     """The policy loss ``agg(pg * is_weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
     Args:
-        logits: policy logits ``[..., V]`` (``S = logits.shape[:-1]``, as ``token_logprobs``).
+        logits: policy logits ``[..., V]`` (``S = logits.shape[:-1]``, as ``token_logprobs``), or a
+            ``kltriton.LinearLogits`` (hidden states and an LM head; takes the two-pass route: statistics,
+            then autograd through the linear family's backward to hidden / weight / bias).
         labels, temperature, ignore_index, mask, cu_seqlens, shift_labels, backend: as in ``token_logprobs``.
         advantages: ``S`` (per token) or ``[num_seqs]`` (per sequence: rows of ``[B, T]``, segments of
             ``cu_seqlens``, or one for a flat ``[N]``).
@@ -297,7 +290,8 @@ def policy_loss(
         ``clipfrac_lower``, ``ppo_kl``, ``kl_mean``, ``entropy_mean``, ``ratio_max``, ``ratio_min`` and, with
         ``rollout_logprobs``, ``is_weight_mean``, ``is_masked_frac``, ``mismatch_k3``.
     """
-    logits = _logits_tensor(logits)
+    if not is_linear(logits):
+        check_logits(logits)
     device, shape = logits.device, logits.shape[:-1]
     if loss_type not in terms.LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {terms.LOSS_TYPES}, got {loss_type!r}")
@@ -356,10 +350,12 @@ def policy_loss(
                           runtime_scalar(kl_clamp if kl_clamp is not None else float("inf"), device)])
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
     w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
-    ref_logits = ref.detach() if with_ref_logits else None
+    ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
 
-    # Vocab-parallel takes the two-pass route: the gradient coefficients need the global statistics.
-    fused = loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
+    # Two-pass routes: vocab-parallel (the gradient coefficients need the global statistics) and
+    # LinearLogits (its hidden / weight gradients come from the linear family's backward).
+    fused = (loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
+             and not is_linear(logits) and not is_linear(ref))
     is_info = None
     if fused:
         if rollout is not None:
@@ -375,9 +371,9 @@ def policy_loss(
         token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv, bounds,
                                   scored, seq_index, num_seqs)
     else:  # two passes: the differentiable stream op, the formulas in PyTorch, autograd
-        name = stream_backend(backend, logits)
-        stats = stream(logits, ref_logits, target, temperature, with_entropy=True,
-                       with_full_kl=estimator == "full", backend=name, shard=shard)
+        name = logits_backend(backend, logits, ref_logits)
+        stats = logits_stats(logits, ref_logits, target, temperature, with_entropy=True,
+                             with_full_kl=estimator == "full", backend=name, shard=shard)
         logp, entropy = stats.logp, stats.entropy
         ref_logp = stats.ref_logp if ref_logits is not None else (
             ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))

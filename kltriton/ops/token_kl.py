@@ -10,7 +10,7 @@ import torch
 
 from kltriton import estimators
 from kltriton._inputs import LOGIT_DTYPES, build_layout, check_logits, check_temperature
-from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
 from kltriton.ops.vocab_parallel import vocab_shard
 
 
@@ -21,7 +21,14 @@ class KLOutput(NamedTuple):
 
 
 def ref_is_logits(logits: torch.Tensor, ref) -> bool:
-    """Whether ``ref`` holds reference logits (``[..., V]``) or reference log-probs (``S``)."""
+    """Whether ``ref`` holds reference logits (``[..., V]``, a tensor or ``LinearLogits``) or
+    reference log-probs (``S``)."""
+    if is_linear(ref):  # either dtype: the linear family folds fp32 tiles of both sides
+        if ref.shape != logits.shape:
+            raise ValueError(f"ref must have the logits' shape {tuple(logits.shape)}, got {tuple(ref.shape)}")
+        if ref.device != logits.device:
+            raise ValueError(f"ref is on {ref.device} but logits are on {logits.device}")
+        return True
     if not isinstance(ref, torch.Tensor):
         raise TypeError(f"ref must be a torch.Tensor of reference logits or log-probs, got {type(ref).__name__}")
     if not ref.dtype.is_floating_point:
@@ -52,11 +59,11 @@ def kl_of_target(logits, ref, target, temperature, estimator, kl_clamp, backend,
     """``(kl, logp, ref_logp)`` as flat ``[N]`` tensors for a validated ``target``; differentiable
     w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch). ``shard``: see ``stream``."""
     if ref.dim() == logits.dim():
-        stats = stream(logits, ref, target, temperature, with_full_kl=estimator == "full", backend=backend,
-                       shard=shard)
+        stats = logits_stats(logits, ref, target, temperature, with_full_kl=estimator == "full", backend=backend,
+                             shard=shard)
         ref_logp = stats.ref_logp
     else:
-        stats = stream(logits, None, target, temperature, backend=backend, shard=shard)
+        stats = logits_stats(logits, None, target, temperature, backend=backend, shard=shard)
         ref_flat = ref.detach().reshape(-1).to(stats.logp.dtype)
         ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
     kl = estimators.value(estimator, kl_clamp, stats.logp, ref_logp, stats.full_kl)
@@ -82,9 +89,10 @@ def token_kl(
     """Per-token KL of the policy against a reference at the labelled tokens.
 
     Args:
-        logits: policy logits ``[..., V]`` (fp32 / bf16 / fp16, leading dims may be strided).
-        ref: reference logits of the same shape, in any logits dtype (read in the same pass, as
-            they are: a bf16 policy may have an fp32 reference), or reference
+        logits: policy logits ``[..., V]`` (fp32 / bf16 / fp16, leading dims may be strided), or
+            a ``kltriton.LinearLogits`` (hidden states and an LM head, never projected to ``[N, V]``).
+        ref: reference logits of the same shape, in any logits dtype (a tensor or ``LinearLogits``,
+            read in the same pass, as they are: a bf16 policy may have an fp32 reference), or reference
             log-probs of shape ``S = logits.shape[:-1]`` (scored elsewhere).
         labels, mask, ignore_index, cu_seqlens, shift_labels, temperature, backend:
             as in ``token_logprobs``; the temperature applies to both models.
@@ -102,15 +110,16 @@ def token_kl(
 
     Returns:
         ``KLOutput(kl, logprobs, ref_logprobs)``, each fp32 ``S``, 0 where not scored.
-        Differentiable w.r.t. the policy ``logits`` only.
+        Differentiable w.r.t. the policy ``logits`` (or ``LinearLogits`` hidden / weight / bias) only.
     """
-    check_logits(logits)
+    if not is_linear(logits):
+        check_logits(logits)
     with_ref_logits = ref_is_logits(logits, ref)
     estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
-    backend = stream_backend(backend, logits)
+    backend = logits_backend(backend, logits, ref)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
     return KLOutput(kl.view(layout.shape), logp.view(layout.shape), ref_logp.view(layout.shape))

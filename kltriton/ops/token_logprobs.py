@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from kltriton._inputs import build_layout, check_logits, check_temperature
-from kltriton.ops.stream import stream, stream_backend
+from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
 from kltriton.ops.vocab_parallel import vocab_shard
 
 
@@ -26,7 +26,8 @@ def token_logprobs(
 
     Args:
         logits: ``[..., V]`` fp32 / bf16 / fp16; any strides on the leading dims
-            (``logits[:, :-1]`` is read in place).
+            (``logits[:, :-1]`` is read in place); or a ``kltriton.LinearLogits`` (hidden states
+            and an LM head: the logits are never built).
         labels: integer ``S = logits.shape[:-1]``; ``ignore_index`` marks unscored positions.
         mask: optional bool or integer ``S`` (a Hugging Face ``attention_mask`` as it is); 0 = not scored.
         temperature: ``T > 0``, finite: a python float, a 0-dim tensor, or a floating tensor of shape
@@ -44,15 +45,17 @@ def token_logprobs(
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
-        Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``).
+        Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``), or a ``LinearLogits``'
+        hidden states, weight and bias.
     """
-    check_logits(logits)
+    if not is_linear(logits):
+        check_logits(logits)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = vocab_shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
-    backend = stream_backend(backend, logits)
-    stats = stream(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend,
-                   shard=shard)
+    backend = logits_backend(backend, logits)
+    stats = logits_stats(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend,
+                         shard=shard)
     logp = stats.logp.view(layout.shape)
     return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp

@@ -1,0 +1,44 @@
+"""Family ``linear``: the ``stream`` statistics of logits given as ``hidden @ weight.T`` (an LM head),
+without building the ``[N, V]`` logits.
+
+Every backend is the same algorithm (``tiles.py``): the platform GEMM (``torch.mm`` / ``addmm``:
+cuBLAS on CUDA, the CPU BLAS on CPU) projects a tile of *scored* rows to an fp32 (float64 for
+float64 inputs) ``[rows, vocab_tile]`` logits tile, ``logit_scale`` / ``softcap`` are applied in
+place, and the backend's own ``stream`` kernel folds the tile into per-row statistics (vocab tiles
+are merged with ``kltriton.kernels.merge``). ``reference.py``, ``cpp.py`` and ``triton.py`` differ
+only in that ``stream`` kernel; they support what their ``stream`` kernel supports (float64: the
+reference only). Each module provides:
+
+``forward(policy, ref, target, temperature, with_entropy, with_full_kl, tile_elements) -> StreamStats``
+    policy:  a ``Side``: ``x`` is hidden ``[..., H]`` with ``weight [V, H]`` (``bias [V]`` or None,
+             ``scale`` / ``softcap`` 0-dim float64 tensors or None), or ``x`` is dense logits
+             ``[..., V]`` with ``weight=None`` (the other side is then a projection).
+             The logits it stands for: ``softcap * tanh(scale * (x @ weight.T + bias) / softcap)``.
+    ref:     a ``Side`` or None (same leading shape and ``V`` as ``policy``).
+    target, temperature, with_entropy, with_full_kl: as in ``kltriton.kernels.stream``
+             (``N`` = rows of ``policy.x``). Only rows with ``target >= 0`` are projected.
+    tile_elements: the working-tile budget: ``rows * vocab_tile <= max(tile_elements, MIN_ROWS)``.
+    Returns ``StreamStats`` as the ``stream`` family, in ``accumulation_dtype(policy.x.dtype)``.
+
+``backward(policy, ref, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy, g_full_kl,
+full_kl, want_x, want_weight, want_bias, tile_elements) -> (d_x, d_weight, d_bias)``
+    The ``stream`` backward per recomputed tile, chained through softcap and scale, then
+    ``d_x = d_logits @ weight``, ``d_weight = d_logits.T @ x``, ``d_bias = d_logits.sum(0)``
+    accumulated in fp32 and returned in the parameters' dtypes (``None`` where not wanted or
+    absent; for a dense policy ``d_x`` is the logits gradient). ``ref`` gets no gradient.
+
+Memory: one ``[rows, vocab_tile]`` tile (two in the backward: the tile and its gradient) plus
+``O(N)`` plus the fp32 accumulators of the parameter gradients. Default budget ``DEFAULT_TILE``
+elements per device, or ``KLTRITON_LINEAR_TILE``, or ``LinearLogits(..., tile_elements=)``.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Side(NamedTuple):
+    x: torch.Tensor                  # hidden [..., H], or dense logits [..., V] when weight is None
+    weight: Optional[torch.Tensor]   # [V, H]
+    bias: Optional[torch.Tensor]     # [V]
+    scale: Optional[torch.Tensor]    # 0-dim float64 logit scale, None = 1
+    softcap: Optional[torch.Tensor]  # 0-dim float64, None = no tanh cap

@@ -1,0 +1,5 @@
+"""C++ backend of the ``linear`` family: CPU BLAS tiles folded by the C++ ``stream`` kernel."""
+from kltriton.kernels.linear import tiles
+from kltriton.kernels.stream import cpp as stream
+
+forward, backward = tiles.bind(stream)
