@@ -2,13 +2,14 @@
 // logits), one streaming pass over the vocabulary gives log p(label), logsumexp(x / T), the
 // entropy, the reference log-prob / logsumexp and the full KL(p || q).
 //
-// Numerics (as the Triton kernel): exponents are in base-2 units, c = log2(e) / T (2^z costs one
-// multiply less than e^z). The running max m is kept in raw logit units per SIMD lane and
-// z = (x - m) * c <= 0: the max itself has z = 0 and e = 1 exactly, x - m is exact for the values
-// that matter (Sterbenz) and may overflow only to -inf (e = 0), and the rounding of c (relative
-// 6e-8) scales every z alike. The vocabulary is streamed in L1-sized blocks: the
-// block max is taken first, the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (zx - zy))
-// is rescaled once per block, then the block's exponentials are accumulated from L1. Each row
+// Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
+// 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
+// is kept in raw logit units per SIMD lane and z = (x - m) * c <= 0: the max itself has z = 0 and
+// e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
+// -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
+// streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
+// t = sum e^z z, u = sum e^zx (zx - zy), e^z meaning exp(z kZUnit)) is rescaled once per block,
+// then the block's exponentials are accumulated from L1. Each row
 // is read from memory once. The SIMD lanes are combined in double at the end of the row.
 #include "stream_common.h"
 
@@ -16,8 +17,6 @@ namespace kltriton_cpp {
 namespace {
 
 constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
-constexpr double kLn2 = 0.693147180559945309;
-constexpr double kLog2e = 1.44269504088896341;
 
 struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
@@ -48,14 +47,14 @@ struct LaneState {
     const Vec mxn = vmax(mx, bx);
     const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
     const Vec dx = (mixn - mix) * vinv;
-    const Vec ax = Vec::blendv(vexp2(zero - dx), zero, mx == ninf);
+    const Vec ax = Vec::blendv(vexpz(zero - dx), zero, mx == ninf);
     const Vec ax_zero = ax == zero;
     Vec dy = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
       const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
       dy = (miyn - miy) * vinv;
-      const Vec ay = Vec::blendv(vexp2(zero - dy), zero, my == ninf);
+      const Vec ay = Vec::blendv(vexpz(zero - dy), zero, my == ninf);
       sy = ay * sy;
       my = myn;
       miy = miyn;
@@ -71,7 +70,7 @@ struct LaneState {
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
     auto step = [&](int64_t i, int j) {
       const Vec zx = (ldx(i) - mix) * vinv;
-      const Vec ex = vexp2(zx);
+      const Vec ex = vexpz(zx);
       bs[j] = bs[j] + ex;
       Vec zxc;
       if constexpr (ENT || KL) {
@@ -81,7 +80,7 @@ struct LaneState {
       if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
       if constexpr (REF) {
         const Vec zy = (ldy(i) - miy) * vinv;
-        bsy[j] = bsy[j] + vexp2(zy);
+        bsy[j] = bsy[j] + vexpz(zy);
         // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
         if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
       }
@@ -107,7 +106,7 @@ struct Combined {
 };
 
 // Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame;
-// scale = log2(e) / T.
+// scale = 1 / (T kZUnit).
 inline Combined combine(const float* m, const float* mi, const float* s, const float* t, double scale) {
   Combined c;
   c.mi = -std::numeric_limits<double>::infinity();
@@ -125,19 +124,19 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   for (int64_t l = 0; l < kW; ++l) {
     if (m[l] == -kInf) continue;
     const double d = (c.mi - static_cast<double>(mi[l])) * scale;
-    const double a = std::exp2(-d);
+    const double a = std::exp(-d * kZUnit);
     c.s += a * s[l];
     if (t != nullptr) c.t += a * (static_cast<double>(t[l]) - d * s[l]);
   }
   return c;
 }
 
-// hi + lo = 1 / T (Temperatures::inverse). Exponents are in base-2 units (c = log2(e) / T), the
+// hi + lo = 1 / T (Temperatures::inverse). Exponents are in kZUnit units (c = 1 / (T kZUnit)), the
 // results in natural units.
 template <typename T, typename R, int MODE>
 RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  const double c = (static_cast<double>(hi) + lo) * kLog2e;
+  const double c = (static_cast<double>(hi) + lo) / kZUnit;
   LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
@@ -173,10 +172,10 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
     r.lse = -kInf;
   } else {
     const double log_s = std::log(cx.s);
-    r.lse = static_cast<float>(kLn2 * c * cx.mi + log_s);
+    r.lse = static_cast<float>(kZUnit * c * cx.mi + log_s);
     const double zl = (xl - cx.mi) * c;
-    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(kLn2 * zl - log_s, 0.0));
-    if constexpr (ENT) r.entropy = static_cast<float>(log_s - kLn2 * cx.t / cx.s);
+    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
+    if constexpr (ENT) r.entropy = static_cast<float>(log_s - kZUnit * cx.t / cx.s);
   }
   if constexpr (REF) {
     alignas(64) float amy[kW], amiy[kW], asy[kW];
@@ -190,10 +189,10 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
       r.ref_lse = -kInf;
     } else {
       const double log_s = std::log(cy.s);
-      r.ref_lse = static_cast<float>(kLn2 * c * cy.mi + log_s);
+      r.ref_lse = static_cast<float>(kZUnit * c * cy.mi + log_s);
       const double yl = static_cast<double>(static_cast<float>(y[label]));
       const double zl = (yl - cy.mi) * c;
-      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(kLn2 * zl - log_s, 0.0));
+      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
       if constexpr (KL) {
         if (!cx.bad && !cx.dead) {
           alignas(64) float au[kW];
@@ -203,11 +202,11 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
             if (amx[l] == -kInf) continue;
             const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
             const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
-            const double a = std::exp2(-dxl);
+            const double a = std::exp(-dxl * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
             U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
-          r.full_kl = static_cast<float>(kLn2 * U / cx.s - std::log(cx.s) + log_s);
+          r.full_kl = static_cast<float>(kZUnit * U / cx.s - std::log(cx.s) + log_s);
         }
       }
     }
