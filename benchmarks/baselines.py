@@ -40,6 +40,16 @@ def trl_logprobs(x, labels):
     return torch.stack(rows).float()
 
 
+def installed_trl_logprobs():
+    """The installed ``trl``'s own ``selective_log_softmax`` (a fused kernel in recent TRL), or
+    ``Unavailable`` when trl is not importable."""
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except ImportError as err:
+        raise Unavailable(f"trl not installed: {err}") from None
+    return lambda x, labels: selective_log_softmax(x, labels).float()
+
+
 def cross_entropy_logprobs(library: str, device: str):
     """``-cross_entropy(x, labels, reduction='none')`` from Liger-Kernel or flash-attn (CUDA only)."""
     if device != "cuda":

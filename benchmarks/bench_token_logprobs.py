@@ -27,6 +27,11 @@ def _library(library, device):
     return factory
 
 
+def _installed_trl(inp):
+    logprobs = baselines.installed_trl_logprobs()
+    return lambda x: logprobs(x, inp.labels)
+
+
 def methods(device):
     """``name -> (kind, factory)``; Liger last: it writes its gradient into the logits buffer."""
     compiled = baselines.compiled(baselines.eager_logprobs)
@@ -38,6 +43,7 @@ def methods(device):
         "torchrl_masked": ("baseline", lambda inp: lambda x: baselines.masked_logprobs(x, inp.labels, inp.mask)),
         "compile": ("baseline", lambda inp: lambda x: compiled(x, inp.labels)),
         "trl": ("baseline", lambda inp: lambda x: baselines.trl_logprobs(x, inp.labels)),
+        "trl_installed": ("baseline", _installed_trl),
         "flash_attn": ("baseline", _library("flash_attn", device)),
         "liger": ("baseline", _library("liger", device)),
     }

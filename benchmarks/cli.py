@@ -1,9 +1,10 @@
-"""Command line: ``python -m benchmarks run | compare | plot`` (see ``--help`` of each)."""
+"""Command line: ``python -m benchmarks run | compare | plot | static | gpu`` (see ``--help`` of each)."""
 import argparse
 import datetime
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 
 from benchmarks import compare, harness
@@ -36,6 +37,8 @@ def _parser():
                            f"unreliable (default {compare.MAX_DRIFT})")
     plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
     plot.add_argument("results", type=Path)
+    sub.add_parser("static", help="compile every Triton kernel for sm_90, report registers, spills, SASS per element")
+    sub.add_parser("gpu", help="one-command GPU validation: tests, benchmark grid, static report, summary")
     return parser
 
 
@@ -80,7 +83,13 @@ def headline(rows) -> str:
     return "\n".join(lines)
 
 
+SUBCOMMANDS = {"static": "benchmarks.static", "gpu": "benchmarks.gpu"}  # own argument parsers
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args)

@@ -2,33 +2,25 @@
 // logits), one streaming pass over the vocabulary gives log p(label), logsumexp(x / T), the
 // entropy, the reference log-prob / logsumexp and the full KL(p || q).
 //
-// Numerics (matches the Triton kernel): the running max is kept in raw logit units per SIMD
-// lane; the shift used is mi = fl(m * invT) and z = fma(x, invT, -mi), so every exponent is
-// exactly relative to the recorded shift. The vocabulary is streamed in L1-sized blocks: the
-// block max is taken first, the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (zx - zy))
-// is rescaled once per block, then the block's exponentials are accumulated from L1. Each row
+// Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
+// 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
+// is kept in raw logit units per SIMD lane and z = (x - m) * c <= 0: the max itself has z = 0 and
+// e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
+// -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
+// streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
+// t = sum e^z z, u = sum e^zx (zx - zy), e^z meaning exp(z kZUnit)) is rescaled once per block,
+// then the block's exponentials are accumulated from L1. Each row
 // is read from memory once. The SIMD lanes are combined in double at the end of the row.
 #include "stream_common.h"
 
 namespace kltriton_cpp {
 namespace {
 
-constexpr int64_t kBlockVecs = 32;  // vectors per block (2 KiB of fp32 on AVX512 per tensor)
+constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
 
 struct RowOut {
   float logp, lse, entropy, ref_logp, ref_lse, full_kl;
 };
-
-// The shift of a lane whose raw max is m: fl(m * invT) rounded up, so that z = fma(x, invT, -shift)
-// is <= 0 for every x <= m (round-to-nearest can leave z = +ulp(m / T) / 2, which overflows exp
-// for |m| / T > ~1e9), and clamped to the lowest float (m = finfo.min with T < 1 would give
-// -inf and z = +inf; the clamped lane then has exp(z) = 0, which is exact unless every lane of
-// the row is so masked). Once per block, not per element.
-inline Vec shift_of(const Vec& m, const Vec& vinv) {
-  const Vec p = m * vinv;
-  const Vec up = Vec::blendv(p, p.nextafter(Vec(kInf)), vfma(m, vinv, Vec(0.f) - p) > Vec(0.f));
-  return at::vec::clamp_min(up, Vec(kLowest));
-}
 
 template <int MODE>
 struct LaneState {
@@ -48,21 +40,21 @@ struct LaneState {
       bx = vmax(bx, ldx(i));
       if constexpr (REF) by = vmax(by, ldy(i));
     }
-    // Rescale the lane sums to the new shift. A lane that was empty (max -inf) has zero sums
-    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the shift grew
+    // Rescale the lane sums to the new frame. A lane that was empty (max -inf) has zero sums
+    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the max grew
     // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
     // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
-    const Vec mixn = Vec::blendv(shift_of(mxn, vinv), zero, mxn == ninf);
-    const Vec dx = mixn - mix;
-    const Vec ax = Vec::blendv(vexp(zero - dx), zero, mx == ninf);
+    const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
+    const Vec dx = (mixn - mix) * vinv;
+    const Vec ax = Vec::blendv(vexpz(zero - dx), zero, mx == ninf);
     const Vec ax_zero = ax == zero;
     Vec dy = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
-      const Vec miyn = Vec::blendv(shift_of(myn, vinv), zero, myn == ninf);
-      dy = miyn - miy;
-      const Vec ay = Vec::blendv(vexp(zero - dy), zero, my == ninf);
+      const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
+      dy = (miyn - miy) * vinv;
+      const Vec ay = Vec::blendv(vexpz(zero - dy), zero, my == ninf);
       sy = ay * sy;
       my = myn;
       miy = miyn;
@@ -73,14 +65,12 @@ struct LaneState {
     mx = mxn;
     mix = mixn;
 
-    // Block sums relative to the new shift, two accumulators each (independent add chains).
-    const Vec nmix = zero - mix;
-    const Vec nmiy = zero - miy;
+    // Block sums relative to the new frame, two accumulators each (independent add chains).
     const Vec lowest(kLowest);
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
     auto step = [&](int64_t i, int j) {
-      const Vec zx = vfma(ldx(i), vinv, nmix);
-      const Vec ex = vexp(zx);
+      const Vec zx = (ldx(i) - mix) * vinv;
+      const Vec ex = vexpz(zx);
       bs[j] = bs[j] + ex;
       Vec zxc;
       if constexpr (ENT || KL) {
@@ -89,8 +79,8 @@ struct LaneState {
       }
       if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
       if constexpr (REF) {
-        const Vec zy = vfma(ldy(i), vinv, nmiy);
-        bsy[j] = bsy[j] + vexp(zy);
+        const Vec zy = (ldy(i) - miy) * vinv;
+        bsy[j] = bsy[j] + vexpz(zy);
         // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
         if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
       }
@@ -111,15 +101,14 @@ struct LaneState {
 struct Combined {
   bool bad = false;    // a NaN or +inf logit in the row
   bool dead = false;   // every logit is -inf
-  double m_raw = 0.0;  // max raw logit
-  double mi = 0.0;     // shift (float m * invT) of that max
+  double mi = 0.0;     // max raw logit: the frame of s and t
   double s = 0.0, t = 0.0;
 };
 
-// Combine per-lane (m, mi, s[, t]) into row totals relative to the largest shift.
-inline Combined combine(const float* m, const float* mi, const float* s, const float* t) {
+// Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame;
+// scale = 1 / (T kZUnit).
+inline Combined combine(const float* m, const float* mi, const float* s, const float* t, double scale) {
   Combined c;
-  c.m_raw = -std::numeric_limits<double>::infinity();
   c.mi = -std::numeric_limits<double>::infinity();
   bool any = false;
   for (int64_t l = 0; l < kW; ++l) {
@@ -127,7 +116,6 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
       c.bad = true;
     } else if (m[l] != -kInf) {
       any = true;
-      c.m_raw = std::max(c.m_raw, static_cast<double>(m[l]));
       c.mi = std::max(c.mi, static_cast<double>(mi[l]));
     }
   }
@@ -135,18 +123,21 @@ inline Combined combine(const float* m, const float* mi, const float* s, const f
   if (c.bad || c.dead) return c;
   for (int64_t l = 0; l < kW; ++l) {
     if (m[l] == -kInf) continue;
-    const double d = c.mi - static_cast<double>(mi[l]);
-    const double a = std::exp(-d);
+    const double d = (c.mi - static_cast<double>(mi[l])) * scale;
+    const double a = std::exp(-d * kZUnit);
     c.s += a * s[l];
     if (t != nullptr) c.t += a * (static_cast<double>(t[l]) - d * s[l]);
   }
   return c;
 }
 
+// hi + lo = 1 / T (Temperatures::inverse). Exponents are in kZUnit units (c = 1 / (T kZUnit)), the
+// results in natural units.
 template <typename T, typename R, int MODE>
 RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  LaneState<MODE> st(hi);
+  const double c = (static_cast<double>(hi) + lo) / kZUnit;
+  LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
@@ -171,7 +162,7 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
   st.mix.store(amix);
   st.sx.store(asx);
   st.tx.store(atx);
-  const Combined cx = combine(amx, amix, asx, ENT ? atx : nullptr);
+  const Combined cx = combine(amx, amix, asx, ENT ? atx : nullptr, c);
 
   RowOut r{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN};
   const double xl = static_cast<double>(static_cast<float>(x[label]));
@@ -181,27 +172,27 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
     r.lse = -kInf;
   } else {
     const double log_s = std::log(cx.s);
-    r.lse = static_cast<float>(cx.mi + cx.m_raw * lo + log_s);
-    const double zl = xl * hi - cx.mi + (xl - cx.m_raw) * lo;
-    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(zl - log_s, 0.0));
-    if constexpr (ENT) r.entropy = static_cast<float>(log_s - cx.t / cx.s);
+    r.lse = static_cast<float>(kZUnit * c * cx.mi + log_s);
+    const double zl = (xl - cx.mi) * c;
+    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
+    if constexpr (ENT) r.entropy = static_cast<float>(log_s - kZUnit * cx.t / cx.s);
   }
   if constexpr (REF) {
     alignas(64) float amy[kW], amiy[kW], asy[kW];
     st.my.store(amy);
     st.miy.store(amiy);
     st.sy.store(asy);
-    const Combined cy = combine(amy, amiy, asy, nullptr);
+    const Combined cy = combine(amy, amiy, asy, nullptr, c);
     if (cy.bad) {
       r.ref_lse = kNaN;
     } else if (cy.dead) {
       r.ref_lse = -kInf;
     } else {
       const double log_s = std::log(cy.s);
-      r.ref_lse = static_cast<float>(cy.mi + cy.m_raw * lo + log_s);
+      r.ref_lse = static_cast<float>(kZUnit * c * cy.mi + log_s);
       const double yl = static_cast<double>(static_cast<float>(y[label]));
-      const double zl = yl * hi - cy.mi + (yl - cy.m_raw) * lo;
-      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(zl - log_s, 0.0));
+      const double zl = (yl - cy.mi) * c;
+      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
       if constexpr (KL) {
         if (!cx.bad && !cx.dead) {
           alignas(64) float au[kW];
@@ -209,13 +200,13 @@ RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, d
           double U = 0.0;
           for (int64_t l = 0; l < kW; ++l) {
             if (amx[l] == -kInf) continue;
-            const double dxl = cx.mi - static_cast<double>(amix[l]);
-            const double dyl = cy.mi - static_cast<double>(amiy[l]);
-            const double a = std::exp(-dxl);
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
+            const double a = std::exp(-dxl * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
             U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
-          r.full_kl = static_cast<float>(U / cx.s - std::log(cx.s) + log_s);
+          r.full_kl = static_cast<float>(kZUnit * U / cx.s - std::log(cx.s) + log_s);
         }
       }
     }

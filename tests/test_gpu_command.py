@@ -1,0 +1,36 @@
+"""``python -m benchmarks gpu``: the dry run lists every step on any machine, and the summary
+table reads benchmark rows (the real run needs a CUDA device)."""
+from benchmarks import cli, gpu
+
+
+def test_dry_run_lists_every_step(tmp_path, capsys):
+    assert cli.main(["gpu", "--out", str(tmp_path / "run"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for step in ("tests", "static", "bench_token_logprobs", "bench_token_kl", "bench_fused_kl_reward", "plots"):
+        assert f"[{step}," in out
+    assert "KLTRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0" in out
+    assert sum(gpu.LIMITS.values()) < 9 * 60
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_summary_table_shares_of_read_bandwidth():
+    case = dict(op="token_logprobs", mode="forward", tokens=8192, vocab=151936, dtype="bf16", masked_frac=0.0)
+    rows = [dict(case, kind="bandwidth", backend="read_amax", gbps=3000.0, time_ms_median=None),
+            dict(case, kind="kltriton", backend="triton", time_ms_median=1.0, bytes_moved=2.7e9, note=None),
+            dict(case, kind="baseline", backend="liger", time_ms_median=None, note="liger not installed")]
+    table = gpu.summary_table(rows)
+    assert "| token_logprobs | forward | 8192 | 151936 | bf16 | 0.00 | 3000 | 90% | 1.000 | - |" in table
+    assert "not run: liger: liger not installed" in table
+
+
+def test_bench_writes_after_every_case(tmp_path):
+    """The per-op step on the CPU smoke grid: a JSON of rows, every baseline present or a note."""
+    import json
+
+    path = gpu.bench("token_logprobs", str(tmp_path), grid="smoke", device="cpu")
+    rows = json.loads(path.read_text())
+    assert path.name == "cpu-smoke_token_logprobs.json"
+    timed = [r for r in rows if r["kind"] != "bandwidth"]
+    assert {"eager", "cpp", "liger", "trl_installed"} <= {r["backend"] for r in timed}
+    assert all(r["time_ms_median"] is not None or r["note"] for r in timed)
+    assert "| token_logprobs |" in gpu.summary_table(rows)
