@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kltriton
-from helpers import assert_close, random_logits
+from helpers import MIXED_GRAD_RTOL, assert_close, random_logits
 from kltriton.ops.policy_loss import loss_forward, loss_scale_
 
 B, T, V = 3, 7, 67
@@ -179,9 +179,9 @@ def test_dtypes_against_float64(backend, dtype, device):
     out = call(x, dd, cfg, backend)
     out.loss.backward()
     assert x.grad.dtype == dtype
-    rtol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     assert_close(out.loss, e_loss, 1e-5, 1e-5, what="loss")
-    assert_close(x.grad, e_grad, 1e-6 if dtype == torch.float32 else 1e-4, rtol, what="grad")
+    # The gradient has the entropy and full-KL terms: the policy's tolerance for mixed gradients.
+    assert_close(x.grad, e_grad, 1e-6 if dtype == torch.float32 else 1e-4, MIXED_GRAD_RTOL[dtype], what="grad")
 
 
 def test_clip_boundaries_and_dual_clip(backend, device):
