@@ -199,6 +199,62 @@ def _policy_loss_case(loss_type, kl_estimator, aggregation):
     return case
 
 
+def _linear_case(op):
+    def case(shard, backend, dtype):
+        """``LinearLogits`` with this rank's weight / bias rows ``[V_local, H]`` and replicated hidden
+        states: outputs, the hidden gradient (all-reduced), the local weight and bias gradients."""
+        gen = torch.Generator().manual_seed(9)
+        hidden_size = 24
+        hidden = torch.randn(3, 5, hidden_size, generator=gen).to(dtype)
+        weight = (torch.randn(shard.vocab, hidden_size, generator=gen) / 2).to(dtype)
+        bias = torch.randn(shard.vocab, generator=gen).to(dtype)
+        ref_hidden = (hidden.float() + 0.3 * torch.randn(hidden.shape, generator=gen)).to(dtype)
+        labels = torch.randint(0, shard.vocab, (3, 5), generator=gen)
+        labels[0, 0] = shard.vocab - 1
+        mask = torch.rand(3, 5, generator=gen) > 0.2
+        advantages = torch.randn(3, generator=gen)
+        old = torch.randn(3, 5, generator=gen) * 0.1 - 6.0
+
+        def call(h, w, b, sharding):
+            rows = slice(shard.start, shard.stop) if sharding else slice(None)
+            lin = kltriton.LinearLogits(h, w, b, softcap=20.0, tile_elements=64 * 100)
+            ref = kltriton.LinearLogits(ref_hidden, weight[rows], softcap=20.0)
+            if op == "logprobs":
+                return kltriton.token_logprobs(lin, labels, mask=mask, return_entropy=True, temperature=0.9,
+                                               backend=backend, **sharding)
+            if op == "kl_full":
+                out = kltriton.token_kl(lin, ref, labels, estimator="full", mask=mask, backend=backend, **sharding)
+                return out.kl, out.logprobs, out.ref_logprobs
+            out = kltriton.policy_loss(lin, labels, advantages, old_logprobs=old, ref=ref, kl_coef=0.05,
+                                       entropy_coef=0.01, mask=mask, backend=backend, **sharding)
+            return out.loss, out.logprobs, out.entropy, out.kl
+
+        results = []
+        for sharding, rows in (({}, slice(None)), ({"process_group": shard.group}, slice(shard.start, shard.stop))):
+            params = [t.detach().requires_grad_() for t in (hidden, weight[rows], bias[rows])]
+            outs = call(*params, sharding)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            g = torch.Generator().manual_seed(7)
+            sum((t * torch.randn(t.shape, generator=g)).sum() for t in outs if t.requires_grad).backward()
+            results.append((outs, params))
+        (expected, full_params), (actual, part_params) = results
+        logits = torch.nn.functional.linear(hidden.double(), weight.double(), bias.double())
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            shard.check(a, e, logits, 0.9, f"{op} output {i}", scale=1.0 + e.abs().max().item())
+        rows = slice(shard.start, shard.stop)
+        for name, full, part, cut in (("hidden", *[p.grad for p in (full_params[0], part_params[0])], slice(None)),
+                                      ("weight", full_params[1].grad, part_params[1].grad, rows),
+                                      ("bias", full_params[2].grad, part_params[2].grad, rows)):
+            expected_grad = full[cut]
+            size = expected_grad.abs().max().item()
+            # Each rank's part of the hidden gradient is rounded to the dtype before the all-reduce.
+            rtol = 2 * MIXED_GRAD_RTOL[dtype]
+            assert_close(part, expected_grad,
+                         atol=rtol * size + 16 * value_atol(logits, 0.9) * size, rtol=rtol,
+                         what=f"{op} d_{name}")
+    return case
+
+
 CASES = {
     "logprobs_padded_shifted": case_logprobs_padded_shifted,
     "logprobs_packed": case_logprobs_packed,
@@ -208,6 +264,7 @@ CASES = {
     "fused_kl_reward_packed_full": case_fused_kl_reward_packed_full,
     "policy_loss_ppo_full": _policy_loss_case("ppo", "full", "token-mean"),
     "policy_loss_gspo_k3": _policy_loss_case("gspo", "k3", "seq-mean-token-mean"),
+    **{f"linear_{op}": _linear_case(op) for op in ("logprobs", "kl_full", "policy_loss")},
 }
 
 
@@ -274,6 +331,24 @@ def case_compile(shard, backend, dtype):
         results.append((reward, logp, logits.grad))
     for name, eager, compiled in zip(("reward", "logp", "grad"), *results):  # Inductor may fuse: ulps
         shard.check(compiled, eager, full_logits, 1.0, f"compiled {name}")
+
+    # LinearLogits with a weight shard: the hidden gradient's all-reduce in the compiled backward.
+    hidden = torch.randn(2, 5, 16, generator=gen).to(dtype)
+    weight = torch.randn(shard.vocab, 16, generator=gen).to(dtype)[shard.start:shard.stop]
+
+    def g(h, w):
+        return kltriton.token_logprobs(kltriton.LinearLogits(h, w), labels, backend=backend,
+                                       process_group=shard.group)
+
+    results = []
+    for fn in (g, torch.compile(g, fullgraph=True)):
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        logp = fn(h, w)
+        logp.sum().backward()
+        results.append((logp, h.grad, w.grad))
+    scale = hidden.double().abs().sum(-1).max() * weight.double().abs().max()
+    for name, eager, compiled in zip(("linear logp", "d_hidden", "d_weight"), *results):
+        shard.check(compiled, eager, scale.reshape(1), 1.0, f"compiled {name}", scale=1.0 + eager.abs().max().item())
 
 
 def _worker(rank, world, init_file, report_dir, backends, names):

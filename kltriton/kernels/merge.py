@@ -56,16 +56,16 @@ def merge_shards(
     ``logp`` (and ``ref_logp``); a row whose pieces are all ``-inf`` gets ``lse = -inf`` and NaN
     statistics, as the kernels do for a whole row.
     """
-    empty = lse.new_empty(0)
+    empty = lambda: lse.new_empty(0)  # noqa: E731 - distinct tensors: an autograd output must not alias another
     total = torch.logsumexp(lse, 0)
     shift = lse - total           # log w_k
     w = shift.exp()
     logp = _label_logp(label_logp, shift)
-    h = _weighted_sum(w, entropy - shift) if entropy is not None else empty
+    h = _weighted_sum(w, entropy - shift) if entropy is not None else empty()
     if ref_lse is None:
-        return StreamStats(logp, total, h, empty, empty, empty)
+        return StreamStats(logp, total, h, empty(), empty(), empty())
     ref_total = torch.logsumexp(ref_lse, 0)
     ref_shift = ref_lse - ref_total
     ref_logp = _label_logp(ref_label_logp, ref_shift)
-    kl = _weighted_sum(w, full_kl + shift - ref_shift) if full_kl is not None else empty
+    kl = _weighted_sum(w, full_kl + shift - ref_shift) if full_kl is not None else empty()
     return StreamStats(logp, total, h, ref_logp, ref_total, kl)

@@ -234,14 +234,19 @@ def logits_backend(backend, logits, ref=None) -> str:
 
 
 def linear_stream(logits, ref_logits, target, temperature, *, with_entropy=False, with_full_kl=False,
-                  backend) -> StreamStats:
+                  backend, shard=None) -> StreamStats:
     """``StreamStats`` (``[N]``, see ``kltriton.kernels.stream``) of ``logits`` and ``ref_logits``
     (each a tensor or ``LinearLogits``, at least one of them ``LinearLogits``; ``ref_logits`` may be
-    None), differentiable w.r.t. the policy's hidden states, weight and bias (or its logits)."""
+    None), differentiable w.r.t. the policy's hidden states, weight and bias (or its logits).
+    ``shard``: both sides hold this rank's vocab shard (``kltriton.ops.vocab_parallel``)."""
     policy = _as_side(logits)
     ref = _as_side(ref_logits, detach=True) if ref_logits is not None else Side(None, None, None, None, None)
     lin = logits if is_linear(logits) else ref_logits
     tile = lin.tile_elements or default_tile_elements(lin.device.type)
+    if shard is not None:
+        from kltriton.ops.vocab_parallel import shard_linear_stream  # it builds on this module's ops
+        return shard_linear_stream(policy, ref, target, temperature, with_entropy=with_entropy,
+                                   with_full_kl=with_full_kl, tile_elements=tile, backend=backend, shard=shard)
     return StreamStats(*linear_forward(*policy, *ref, target, temperature, with_entropy, with_full_kl, tile, backend))
 
 
@@ -251,10 +256,7 @@ def logits_stats(logits, ref_logits, target, temperature, *, with_entropy=False,
     see ``kltriton.ops.vocab_parallel``), ``linear_stream`` when either side is a ``LinearLogits``
     (``backend`` from ``logits_backend``)."""
     if is_linear(logits) or is_linear(ref_logits):
-        if shard is not None:
-            raise NotImplementedError("LinearLogits with process_group= is not supported yet: pass this rank's "
-                                      "logits shard, or run LinearLogits without a process group")
         return linear_stream(logits, ref_logits, target, temperature, with_entropy=with_entropy,
-                             with_full_kl=with_full_kl, backend=backend)
+                             with_full_kl=with_full_kl, backend=backend, shard=shard)
     return stream(logits, ref_logits, target, temperature, with_entropy=with_entropy, with_full_kl=with_full_kl,
                   backend=backend, shard=shard)

@@ -13,9 +13,16 @@ entropy, KL, reference lse), computes exactly the global gradient restricted to 
 that it adds the label term ``g_logp / T`` at the dummy label of rows whose label lives on another
 shard; column 0 of those rows is rewritten from its exact value (``O(N)``, float64, no cast error).
 
-The collective is ``torch.distributed._functional_collectives.all_gather_single``, which
-``torch.compile`` traces; the autograd function never differentiates through a collective.
+``LinearLogits`` with a weight shard ``[V_local, H]`` (``_ShardLinear``): the same forward with the
+``linear`` kernel (a row whose label is on another shard gets the target ``V_local``, which that
+family reads as "no label here"); backward: the weight and bias gradients stay local, the hidden
+gradient is summed over the ranks with one all-reduce of ``N x H`` values.
+
+The collectives are ``torch.distributed._functional_collectives`` (``all_gather_single``,
+``all_reduce``), which ``torch.compile`` traces; the autograd functions never differentiate through
+a collective.
 """
+import math
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -25,11 +32,18 @@ from kltriton._inputs import host_checks
 from kltriton.kernels import OUT_OF_RANGE, SKIP
 from kltriton.kernels.merge import NOT_HERE, merge_shards
 from kltriton.kernels.stream import StreamStats
+from kltriton.ops.linear_logits import linear_backward, linear_forward
 from kltriton.ops.stream import stream_backward, stream_forward
 
 # Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
 # label past the last shard then lies in no shard and its position gives NaN, like OUT_OF_RANGE.
 UNBOUNDED = 2 ** 62
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's ``tensor``, as a functional collective (traced by ``torch.compile``)."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
 
 
 def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -80,12 +94,12 @@ def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[Vo
             raise TypeError(f"vocab_start must be an int or None, got {type(vocab_start).__name__}")
         if vocab_start < 0:
             raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    size = logits.shape[-1]
+    size = logits.shape[-1]  # logits: a tensor or a LinearLogits
     validate = host_checks()
     if vocab_start is not None and not validate:
         return VocabShard(process_group, vocab_start, size, UNBOUNDED)
     rank = dist.get_rank(process_group)
-    rows = logits.numel() // size
+    rows = math.prod(logits.shape[:-1])
     mine = torch.tensor([-1 if vocab_start is None else vocab_start, size, rows], dtype=torch.int64,
                         device=logits.device)
     table = _all_gather(mine, process_group).view(-1, 3)
@@ -162,51 +176,113 @@ def _masked(value, skip, bad):
     return torch.where(skip, torch.zeros_like(value), value)
 
 
+def _localize(target, start, size, elsewhere):
+    """``(kernel_target, own)``: this shard's column of each row's global label, ``elsewhere`` for a
+    label on another shard; the sentinels (``SKIP``, ``OUT_OF_RANGE``) stay. ``own``: ``[N]`` bool,
+    the label is in this shard."""
+    local_id = target - start
+    own = (target >= 0) & (local_id >= 0) & (local_id < size)
+    return torch.where(target < 0, target, torch.where(own, local_id, torch.full_like(local_id, elsewhere))), own
+
+
+def _global_stats(local: StreamStats, target, kernel_target, own, group):
+    """``(stats, backward_target)``: the global statistics (one all-gather), 0 at unscored rows and
+    NaN at rows scored on a label no shard holds; the kernel target of the backward, where those
+    rows are ``OUT_OF_RANGE`` (no gradient)."""
+    stats, labelled = exchange_stats(local, own, group)
+    skip = target == SKIP
+    bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
+    logp, entropy, ref_logp, full_kl = (_masked(v, skip, bad) for v in
+                                        (stats.logp, stats.entropy, stats.ref_logp, stats.full_kl))
+    lse, ref_lse = (_masked(v, skip, torch.zeros_like(bad)) for v in (stats.lse, stats.ref_lse))
+    backward_target = torch.where(bad, torch.full_like(kernel_target, OUT_OF_RANGE), kernel_target)
+    return StreamStats(logp, lse, entropy, ref_logp, ref_lse, full_kl), backward_target
+
+
+def _gradient_terms(ctx, g_logp, g_entropy, g_full_kl, lse, entropy, full_kl):
+    """``(g_logp, g_entropy, entropy, g_full_kl, full_kl)`` for a ``stream`` / ``linear`` backward:
+    the terms that were computed and received a gradient, the others None."""
+    with_entropy, with_full_kl = ctx.flags[:2]
+    g_entropy = g_entropy if with_entropy else None
+    g_full_kl = g_full_kl if with_full_kl else None
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    return (g_logp, g_entropy, entropy if g_entropy is not None else None, g_full_kl,
+            full_kl if g_full_kl is not None else None)
+
+
 class _ShardStream(torch.autograd.Function):
     """``stream`` over vocab shards: local kernel, one all-gather, merge; backward from the saved
     global statistics (no collective, nothing differentiated through one)."""
 
     @staticmethod
     def forward(ctx, logits, ref_logits, target, temperature, with_entropy, with_full_kl, backend, group, start):
-        size = logits.shape[-1]
-        local_id = target - start
-        own = (target >= 0) & (local_id >= 0) & (local_id < size)
-        kernel_target = torch.where(target < 0, target, torch.where(own, local_id, torch.zeros_like(local_id)))
+        # A row whose label is on another shard is scored on a dummy in-shard label, column 0.
+        kernel_target, own = _localize(target, start, logits.shape[-1], 0)
         local = StreamStats(*stream_forward(logits, ref_logits, kernel_target, temperature,
                                             with_entropy, with_full_kl, backend))
-        stats, labelled = exchange_stats(local, own, group)
-        skip = target == SKIP
-        bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
-        logp, entropy, ref_logp, full_kl = (_masked(v, skip, bad) for v in
-                                            (stats.logp, stats.entropy, stats.ref_logp, stats.full_kl))
-        lse, ref_lse = (_masked(v, skip, torch.zeros_like(bad)) for v in (stats.lse, stats.ref_lse))
-        # Backward: rows scored on a label no shard holds get no gradient (OUT_OF_RANGE); rows whose
-        # label is on another shard keep the dummy and have column 0 rewritten (``fix``).
-        backward_target = torch.where(bad, torch.full_like(kernel_target, OUT_OF_RANGE), kernel_target)
+        stats, backward_target = _global_stats(local, target, kernel_target, own, group)
+        # Rows whose label is on another shard keep the dummy and have column 0 rewritten (``fix``).
         fix = (backward_target >= 0) & ~own
-        ctx.save_for_backward(logits, ref_logits, backward_target, temperature, lse, ref_lse, entropy, full_kl, fix)
+        ctx.save_for_backward(logits, ref_logits, backward_target, temperature, stats.lse, stats.ref_lse,
+                              stats.entropy, stats.full_kl, fix)
         ctx.flags = (with_entropy, with_full_kl, backend)
-        ctx.mark_non_differentiable(lse, ref_logp, ref_lse)
+        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
         ctx.set_materialize_grads(False)
-        return logp, lse, entropy, ref_logp, ref_lse, full_kl
+        return tuple(stats)
 
     @staticmethod
     def backward(ctx, g_logp, _g_lse, g_entropy, _g_ref_logp, _g_ref_lse, g_full_kl):
         logits, ref_logits, target, temperature, lse, ref_lse, entropy, full_kl, fix = ctx.saved_tensors
-        with_entropy, with_full_kl, backend = ctx.flags
-        g_entropy = g_entropy if with_entropy else None
-        g_full_kl = g_full_kl if with_full_kl else None
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        terms = (g_logp, g_entropy, entropy if g_entropy is not None else None, g_full_kl,
-                 full_kl if g_full_kl is not None else None)
-        full = g_full_kl is not None
+        terms = _gradient_terms(ctx, g_logp, g_entropy, g_full_kl, lse, entropy, full_kl)
+        full = terms[3] is not None
         grad = stream_backward(logits, ref_logits if full else None, target, temperature, lse,
-                               ref_lse if full else None, *terms, backend)
+                               ref_lse if full else None, *terms, ctx.flags[2])
         exact = dummy_column_grad(logits, ref_logits, temperature, lse, ref_lse, *terms)
         column = grad.view(-1, logits.shape[-1])[:, 0]
         column.copy_(torch.where(fix, exact.to(grad.dtype), column))
         return grad, None, None, None, None, None, None, None, None
+
+
+class _ShardLinear(torch.autograd.Function):
+    """``linear`` (``LinearLogits``) over vocab shards: each rank holds ``weight [V_local, H]`` (and
+    ``bias [V_local]``), the hidden states are replicated. Forward: the local ``linear`` kernel (a row
+    whose label is on another shard gets the target ``V_local``: statistics without a label), one
+    all-gather, merge. Backward: the local kernel from the global statistics gives the shard's
+    weight / bias gradient (kept local) and its part of the hidden gradient, summed over the ranks
+    by one all-reduce (in the hidden states' dtype, as Megatron's tensor-parallel LM head does)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap, target,
+                temperature, with_entropy, with_full_kl, tile_elements, backend, group, start):
+        sides = (x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
+        size = x.shape[-1] if weight is None else weight.shape[0]
+        kernel_target, own = _localize(target, start, size, size)
+        local = StreamStats(*linear_forward(*sides, kernel_target, temperature, with_entropy, with_full_kl,
+                                            tile_elements, backend))
+        stats, backward_target = _global_stats(local, target, kernel_target, own, group)
+        ctx.save_for_backward(*sides, backward_target, temperature, stats.lse, stats.ref_lse, stats.entropy,
+                              stats.full_kl)
+        ctx.flags = (with_entropy, with_full_kl, backend, tile_elements, group)
+        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
+        ctx.set_materialize_grads(False)
+        return tuple(stats)
+
+    @staticmethod
+    def backward(ctx, g_logp, _g_lse, g_entropy, _g_ref_logp, _g_ref_lse, g_full_kl):
+        *sides, target, temperature, lse, ref_lse, entropy, full_kl = ctx.saved_tensors
+        backend, tile_elements, group = ctx.flags[2:]
+        want = ctx.needs_input_grad[:3]
+        terms = _gradient_terms(ctx, g_logp, g_entropy, g_full_kl, lse, entropy, full_kl)
+        full = terms[3] is not None
+        if not full:
+            sides[5:] = [None] * 5  # the reference is read only for the full-KL term
+        d_x, d_weight, d_bias = linear_backward(*sides, target, temperature, lse, ref_lse if full else None,
+                                                *terms, *want, tile_elements, backend)
+        if want[0] and sides[1] is not None:  # hidden states: every shard's part of the sum
+            d_x = _all_reduce(d_x, group)
+        grads = [d if w else None for d, w in zip((d_x, d_weight, d_bias), want)]
+        return (*grads, *[None] * 15)
 
 
 def shard_stream(logits, ref_logits, target, temperature, *, with_entropy, with_full_kl, backend,
@@ -216,3 +292,14 @@ def shard_stream(logits, ref_logits, target, temperature, *, with_entropy, with_
     same ``target``, ``temperature`` and flags. Differentiable w.r.t. ``logits``."""
     return StreamStats(*_ShardStream.apply(logits, ref_logits, target, temperature, with_entropy,
                                            with_full_kl, backend, shard.group, shard.start))
+
+
+def shard_linear_stream(policy, ref, target, temperature, *, with_entropy, with_full_kl, tile_elements, backend,
+                        shard: VocabShard) -> StreamStats:
+    """``linear`` statistics (``kltriton.ops.linear_logits.linear_stream``) of the full rows from this
+    rank's vocab shard: ``policy`` / ``ref`` are ``kltriton.kernels.linear.Side`` tuples whose weight
+    (or dense logits) hold the shard; ``target`` holds global ids. Every rank of ``shard.group`` must
+    call it with the same hidden states, ``target``, ``temperature`` and flags. Differentiable w.r.t.
+    the policy's hidden states (gradient all-reduced), weight and bias (local)."""
+    return StreamStats(*_ShardLinear.apply(*policy, *ref, target, temperature, with_entropy, with_full_kl,
+                                           tile_elements, backend, shard.group, shard.start))

@@ -16,7 +16,10 @@ reference only). Each module provides:
              The logits it stands for: ``softcap * tanh(scale * (x @ weight.T + bias) / softcap)``.
     ref:     a ``Side`` or None (same leading shape and ``V`` as ``policy``).
     target, temperature, with_entropy, with_full_kl: as in ``kltriton.kernels.stream``
-             (``N`` = rows of ``policy.x``). Only rows with ``target >= 0`` are projected.
+             (``N`` = rows of ``policy.x``). Only rows with ``target >= 0`` are projected. A target
+             ``>= V`` marks a label held by another vocab shard (``kltriton.ops.vocab_parallel``):
+             the row's statistics are computed, its ``logp`` / ``ref_logp`` are ``NOT_HERE``
+             (``kltriton.kernels.merge``) and its gradient has no label term.
     tile_elements: the working-tile budget: ``rows * vocab_tile <= max(tile_elements, MIN_ROWS)``.
     Returns ``StreamStats`` as the ``stream`` family, in ``accumulation_dtype(policy.x.dtype)``.
 

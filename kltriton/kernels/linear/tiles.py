@@ -110,7 +110,8 @@ def _tile_target(target, padded, m):
 
 def _local_target(tgt, v0, width):
     """Targets inside the vocab tile ``[v0, v0 + width)``: the label's column, else column 0 (rows
-    whose label is elsewhere still need the tile's statistics); ``SKIP`` stays."""
+    whose label is elsewhere, in another tile or on another vocab shard, still need the tile's
+    statistics); ``SKIP`` stays."""
     inside = (tgt >= v0) & (tgt < v0 + width)
     return torch.where(tgt >= 0, torch.where(inside, tgt - v0, 0), tgt), inside
 
@@ -135,12 +136,8 @@ def bind(stream):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
             pol = _Rows(policy, padded, acc)
             rfs = _Rows(ref, padded, acc) if has_ref else None
-            if vocab_tile == vocab:
-                stats = stream.forward(pol.logits(0, vocab, buffer), rfs.logits(0, vocab, ref_buffer) if has_ref else None,
-                                       tgt, temp, with_entropy, with_full_kl)
-            else:
-                stats = _vocab_tiled_forward(pol, rfs, tgt, temp, with_entropy, with_full_kl, vocab, vocab_tile,
-                                             buffer, ref_buffer)
+            stats = _vocab_tiled_forward(pol, rfs, tgt, temp, with_entropy, with_full_kl, vocab, vocab_tile,
+                                         buffer, ref_buffer)
             for dst, src in zip(out, stats):
                 if dst.numel():
                     dst[idx] = src[:m]
@@ -151,7 +148,9 @@ def bind(stream):
         return out
 
     def _vocab_tiled_forward(pol, rfs, tgt, temp, with_entropy, with_full_kl, vocab, vocab_tile, buffer, ref_buffer):
-        """Each vocab tile as its own row piece through the stream kernel, merged by ``merge_shards``."""
+        """Each vocab tile as its own row piece through the stream kernel, merged by ``merge_shards``
+        (one tile: the kernel's statistics as they are). A label outside every tile (``tgt >= vocab``)
+        gives ``NOT_HERE`` log-probs."""
         parts, held = [], []
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
@@ -161,11 +160,16 @@ def bind(stream):
             held.append(inside)
         inside = torch.stack(held)
 
-        def stacked(name):
-            return torch.stack([getattr(p, name) for p in parts]) if getattr(parts[0], name).numel() else None
-
         def held_here(logp):
             return torch.where(inside, logp, NOT_HERE)
+
+        if len(parts) == 1:
+            only = parts[0]
+            return only._replace(logp=held_here(only.logp[None])[0],
+                                 ref_logp=held_here(only.ref_logp[None])[0] if rfs is not None else only.ref_logp)
+
+        def stacked(name):
+            return torch.stack([getattr(p, name) for p in parts]) if getattr(parts[0], name).numel() else None
 
         return merge_shards(stacked("lse"), held_here(stacked("logp")), stacked("entropy"), stacked("ref_lse"),
                             held_here(stacked("ref_logp")) if rfs is not None else None, stacked("full_kl"))
@@ -200,16 +204,13 @@ def bind(stream):
                 v1 = min(v0 + vocab_tile, vocab)
                 tile = pol.logits(v0, v1, buffer)
                 ref_tile = rfs.logits(v0, v1, ref_buffer) if full else None
-                if v1 - v0 == vocab:
-                    grad = stream.backward(tile, ref_tile, tgt, temp, *stats)
-                else:
-                    local, inside = _local_target(tgt, v0, v1 - v0)
-                    grad = stream.backward(tile, ref_tile, local, temp, *stats)
-                    # The kernel added the label term g_logp / T at column 0 of rows whose label is in
-                    # another vocab tile (it needs a label): take it back out.
-                    wrong = (local >= 0) & ~inside
-                    extra = torch.where(wrong, stats[2] / temp, 0).to(acc)
-                    grad.scatter_add_(1, local.clamp(min=0)[:, None], -extra[:, None])
+                local, inside = _local_target(tgt, v0, v1 - v0)
+                grad = stream.backward(tile, ref_tile, local, temp, *stats)
+                # The kernel added the label term g_logp / T at column 0 of rows whose label is in
+                # another vocab tile or shard (it needs a label): take it back out.
+                wrong = (local >= 0) & ~inside
+                extra = torch.where(wrong, stats[2] / temp, 0).to(acc)
+                grad.scatter_add_(1, local.clamp(min=0)[:, None], -extra[:, None])
                 _chain(policy, tile, grad)
                 if dense:
                     if want_x:
