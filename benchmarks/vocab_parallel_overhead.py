@@ -1,12 +1,14 @@
 """Cost of the vocab-parallel exchange against the kernel, on CPU ranks over gloo.
 
     python -m benchmarks.vocab_parallel_overhead [--rows 2048] [--vocab 32000] [--ranks 2] [--backend cpp]
+        [--hidden H]
 
 Each rank holds ``V / ranks`` columns of fp32 logits and times (median of ``--repeat`` runs, ranks
 in lockstep behind a barrier): the stream kernel on its shard alone, the all-gather of the per-row
 statistics alone, the same op unsharded on the shard alone (what the rank would pay without the
 exchange), the whole sharded ``token_kl(estimator="full")`` / ``token_logprobs`` forward,
-and their backward. Rank 0 prints one line per measurement and the bytes exchanged per row.
+and their backward; with ``--hidden``, ``LinearLogits`` on this rank's weight rows forward + backward
+against the same on the shard alone, and the all-reduce of the hidden gradient. Rank 0 prints one line per measurement and the bytes exchanged per row.
 """
 import argparse
 import os
@@ -72,6 +74,19 @@ def _worker(rank, args, init_file):
         x = logits.detach().requires_grad_()
         record(f"{what}: unsharded op on the shard, forward + backward", lambda: plain(x).sum().backward())
         record(f"{what}: sharded op forward + backward", lambda: forward(x).sum().backward())
+    if args.hidden:  # LinearLogits with this rank's weight rows: the hidden gradient is all-reduced
+        from kltriton.ops.vocab_parallel import _all_reduce
+        hidden = torch.randn(args.rows, args.hidden, generator=torch.Generator().manual_seed(0))
+        weight = torch.randn(size, args.hidden, generator=gen) / args.hidden ** 0.5
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        lin = lambda: kltriton.LinearLogits(h, w)  # noqa: E731
+        record(f"LinearLogits H={args.hidden}: all-reduce of the [N, H] hidden gradient",
+               lambda: _all_reduce(hidden, group).sum())
+        record(f"LinearLogits H={args.hidden}: unsharded op on the shard, forward + backward",
+               lambda: kltriton.token_logprobs(lin(), target, backend=args.backend).sum().backward())
+        record(f"LinearLogits H={args.hidden}: sharded op forward + backward",
+               lambda: kltriton.token_logprobs(lin(), labels, backend=args.backend, process_group=group,
+                                               vocab_start=start).sum().backward())
     if rank == 0:
         print(f"ranks={args.ranks} rows={args.rows} V={args.vocab} (V_local={size}) fp32 backend={args.backend} "
               f"threads/rank={args.threads}")
@@ -88,6 +103,7 @@ def main():
     parser.add_argument("--backend", default="cpp")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--hidden", type=int, default=0, help="also time LinearLogits with this hidden size")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks)
