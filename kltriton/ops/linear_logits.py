@@ -233,16 +233,23 @@ def logits_backend(backend, logits, ref=None) -> str:
     return dispatch.resolve(backend, "linear", logits.device.type, logits.dtype == torch.float64)
 
 
+def linear_sides(logits, ref_logits) -> Tuple[Side, Side, int]:
+    """``(policy, ref, tile_elements)`` for the ``linear`` family: ``logits`` / ``ref_logits`` (each a
+    tensor or ``LinearLogits``, at least one ``LinearLogits``; ``ref_logits`` may be None: a ``Side``
+    of Nones) as ``Side`` tuples, the reference detached, and the working-tile budget."""
+    policy = _as_side(logits)
+    ref = _as_side(ref_logits, detach=True) if ref_logits is not None else Side(None, None, None, None, None)
+    lin = logits if is_linear(logits) else ref_logits
+    return policy, ref, lin.tile_elements or default_tile_elements(lin.device.type)
+
+
 def linear_stream(logits, ref_logits, target, temperature, *, with_entropy=False, with_full_kl=False,
                   backend, shard=None) -> StreamStats:
     """``StreamStats`` (``[N]``, see ``kltriton.kernels.stream``) of ``logits`` and ``ref_logits``
     (each a tensor or ``LinearLogits``, at least one of them ``LinearLogits``; ``ref_logits`` may be
     None), differentiable w.r.t. the policy's hidden states, weight and bias (or its logits).
     ``shard``: both sides hold this rank's vocab shard (``kltriton.ops.vocab_parallel``)."""
-    policy = _as_side(logits)
-    ref = _as_side(ref_logits, detach=True) if ref_logits is not None else Side(None, None, None, None, None)
-    lin = logits if is_linear(logits) else ref_logits
-    tile = lin.tile_elements or default_tile_elements(lin.device.type)
+    policy, ref, tile = linear_sides(logits, ref_logits)
     if shard is not None:
         from kltriton.ops.vocab_parallel import shard_linear_stream  # it builds on this module's ops
         return shard_linear_stream(policy, ref, target, temperature, with_entropy=with_entropy,

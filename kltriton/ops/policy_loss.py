@@ -4,7 +4,10 @@ Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
 ``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
 gradient w.r.t. the logits (the C++ kernel reads each row once for both). Its backward only applies
 the upstream gradient, in place on the saved gradient (``kltriton::loss_scale_``), which moves no
-``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel).
+``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel). A
+``LinearLogits`` policy runs ``kltriton::linear_loss_forward``: the same kernels on GEMM tiles of
+whole rows, whose logits gradients go straight into the hidden / weight / bias gradients (three
+GEMMs per tile, none recomputed in the backward).
 
 ``gspo`` (a sequence-level ratio) and on-policy rollout importance sampling (weights that need the
 whole sequence's new log-probs) take the two-pass route: the differentiable ``stream`` op, the
@@ -18,9 +21,10 @@ from torch._subclasses.fake_tensor import is_fake
 from kltriton import dispatch, estimators
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
 from kltriton.kernels import SKIP, accumulation_dtype
+from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import LossRows, terms
 from kltriton.ops._define import define_op
-from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
+from kltriton.ops.linear_logits import is_linear, linear_sides, logits_backend, logits_stats
 from kltriton.ops.token_kl import ref_is_logits
 from kltriton.ops.vocab_parallel import vocab_shard
 
@@ -116,6 +120,81 @@ def _backward(saved, grads):
 loss_forward = define_op(
     "loss_forward", _forward, outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "grad"),
     fake=_forward_fake, save=("logits", "backend", "grad"), backward=_backward, materialize_grads=False)
+
+
+def _linear_forward(
+    x: torch.Tensor,                     # policy hidden [..., H]
+    weight: torch.Tensor,                # [V, H]
+    bias: Optional[torch.Tensor],        # [V]
+    scale: Optional[torch.Tensor],       # 0-dim float64
+    softcap: Optional[torch.Tensor],     # 0-dim float64
+    ref_x: Optional[torch.Tensor],       # reference hidden [..., H] or logits [..., V] (no gradient)
+    ref_weight: Optional[torch.Tensor],
+    ref_bias: Optional[torch.Tensor],
+    ref_scale: Optional[torch.Tensor],
+    ref_softcap: Optional[torch.Tensor],
+    target: torch.Tensor,                # [N] int64 (kltriton.kernels.constants)
+    temperature: torch.Tensor,           # 0-dim float64
+    old_logp: Optional[torch.Tensor],    # [N] or None (on-policy)
+    advantages: torch.Tensor,            # [N]
+    w_pg: torch.Tensor,                  # [N]
+    w_kl: torch.Tensor,                  # [N]
+    w_ent: torch.Tensor,                 # [N]
+    ref_logp: Optional[torch.Tensor],    # [N] given reference log-probs, or None
+    bounds: torch.Tensor,                # float64 [4]
+    loss_type: str,
+    estimator: str,
+    entropy_grad: bool,
+    want_x: bool,
+    want_weight: bool,
+    want_bias: bool,
+    tile_elements: int,
+    backend: str,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    rows = _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
+    ref = None if ref_x is None else Side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
+    stats, d_x, d_weight, d_bias = dispatch.implementation("linear", backend).loss_forward(
+        Side(x, weight, bias, scale, softcap), ref, target, temperature, rows, bounds, loss_type, estimator,
+        entropy_grad, want_x, want_weight, want_bias, tile_elements)
+    ref_out = stats.ref_logp if ref is not None else (ref_logp if ref_logp is not None else stats.logp[:0])
+    loss = _loss_value(target, loss_type, estimator, stats.logp, stats.entropy, ref_out, stats.full_kl, rows, bounds)
+    grads = tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
+    return (loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, *grads)
+
+
+def _linear_forward_fake(x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap,
+                         target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp, bounds, loss_type,
+                         estimator, entropy_grad, want_x, want_weight, want_bias, tile_elements, backend):
+    n = target.shape[0]
+    full = terms.split_estimator(estimator)[0] == "full"
+    new = lambda size: x.new_empty(size, dtype=accumulation_dtype(x.dtype))  # noqa: E731
+    like = lambda t, wanted: t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)  # noqa: E731
+    return (new(()), new(n), new(n), new(n if ref_x is not None else 0), new(n if full else 0), like(x, want_x),
+            like(weight, want_weight), like(bias, want_bias))
+
+
+def _linear_backward(saved, grads):
+    g_loss = grads["loss"]
+    if g_loss is None:
+        return {}
+    out = {}
+    for name in ("x", "weight", "bias"):
+        if saved.needs_grad[name]:
+            grad = getattr(saved, "d_" + name)
+            if is_fake(grad):  # traced: out of place, as in _backward
+                out[name] = grad * g_loss.to(grad.dtype)
+            else:
+                loss_scale_(grad, g_loss, saved.backend)
+                out[name] = grad
+    return out
+
+
+linear_loss_forward = define_op(
+    "linear_loss_forward", _linear_forward,
+    outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "d_x", "d_weight", "d_bias"),
+    fake=_linear_forward_fake, save=("backend", "d_x", "d_weight", "d_bias"), backward=_linear_backward,
+    materialize_grads=False)
 
 
 # --- argument checks ---------------------------------------------------------------------------
@@ -263,8 +342,8 @@ def policy_loss(
 
     Args:
         logits: policy logits ``[..., V]`` (``S = logits.shape[:-1]``, as ``token_logprobs``), or a
-            ``kltriton.LinearLogits`` (hidden states and an LM head; takes the two-pass route: statistics,
-            then autograd through the linear family's backward to hidden / weight / bias).
+            ``kltriton.LinearLogits`` (hidden states and an LM head: the gradients w.r.t. hidden / weight /
+            bias are produced in the forward too, per GEMM tile).
         labels, temperature, ignore_index, mask, cu_seqlens, shift_labels, backend: as in ``token_logprobs``.
         advantages: ``S`` (per token) or ``[num_seqs]`` (per sequence: rows of ``[B, T]``, segments of
             ``cu_seqlens``, or one for a flat ``[N]``).
@@ -352,20 +431,27 @@ def policy_loss(
     w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
 
-    # Two-pass routes: vocab-parallel (the gradient coefficients need the global statistics) and
-    # LinearLogits (its hidden / weight gradients come from the linear family's backward).
+    # Two-pass routes: gspo and on-policy IS (they need whole sequences first), vocab-parallel (the
+    # gradient coefficients need the global statistics), and dense policy logits with a LinearLogits
+    # reference. Fused: the loss family on the logits, or on GEMM tiles of a LinearLogits policy.
     fused = (loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
-             and not is_linear(logits) and not is_linear(ref))
+             and (is_linear(logits) or not is_linear(ref)))
     is_info = None
     if fused:
         if rollout is not None:
             is_info = _importance_weights(old, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
         w_pg = agg_w if is_info is None else agg_w * is_info[0]
-        name = dispatch.resolve(backend, "loss", device.type, logits.dtype == torch.float64)
-        with_grad = torch.is_grad_enabled() and logits.requires_grad
-        loss, logp, entropy, ref_logp, full_kl, _ = loss_forward(
-            logits, ref_logits, target, temperature, old, adv, w_pg, w_kl, w_ent, ref_logp_given, bounds,
-            loss_type, estimator, entropy_coef != 0.0, with_grad, name)
+        rows = (target, temperature, old, adv, w_pg, w_kl, w_ent, ref_logp_given, bounds, loss_type, estimator,
+                entropy_coef != 0.0)
+        if is_linear(logits):
+            policy, ref_side, tile = linear_sides(logits, ref_logits)
+            want = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in policy[:3]]
+            loss, logp, entropy, ref_logp, full_kl = linear_loss_forward(
+                *policy, *ref_side, *rows, *want, tile, logits_backend(backend, logits, ref_logits))[:5]
+        else:
+            name = dispatch.resolve(backend, "loss", device.type, logits.dtype == torch.float64)
+            with_grad = torch.is_grad_enabled() and logits.requires_grad
+            loss, logp, entropy, ref_logp, full_kl, _ = loss_forward(logits, ref_logits, *rows, with_grad, name)
         if ref_logits is None:
             ref_logp = ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp)
         token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv, bounds,

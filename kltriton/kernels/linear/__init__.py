@@ -30,6 +30,15 @@ full_kl, want_x, want_weight, want_bias, tile_elements) -> (d_x, d_weight, d_bia
     accumulated in fp32 and returned in the parameters' dtypes (``None`` where not wanted or
     absent; for a dense policy ``d_x`` is the logits gradient). ``ref`` gets no gradient.
 
+``loss_forward(policy, ref, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, want_x,
+want_weight, want_bias, tile_elements) -> (LossStats, d_x, d_weight, d_bias)``
+    The ``loss`` family (``kltriton.kernels.loss``: same ``rows``, ``bounds``, ``loss_type``,
+    ``estimator``, ``entropy_grad``) on GEMM tiles of whole rows (``tiles.whole_rows``): per token
+    tile, the logits tile, the backend's ``loss`` kernel (statistics, then the tile's logits
+    gradient), and the gradient's GEMMs into ``d_x`` / ``d_weight`` / ``d_bias`` (as ``backward``
+    returns them; ``None`` where not wanted). Three GEMMs per tile instead of the four of
+    ``forward`` + ``backward`` (no recomputed logits), and no second pass over the rows.
+
 Memory: one ``[rows, vocab_tile]`` tile (two in the backward: the tile and its gradient) plus
 ``O(N)`` plus the fp32 accumulators of the parameter gradients. Default budget ``DEFAULT_TILE``
 elements per device, or ``KLTRITON_LINEAR_TILE``, or ``LinearLogits(..., tile_elements=)``.

@@ -10,6 +10,7 @@ import os
 import torch
 
 from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype
+from kltriton.kernels.loss import LossRows, LossStats, terms
 from kltriton.kernels.merge import NOT_HERE, merge_shards
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.stream import StreamStats
@@ -228,6 +229,63 @@ def bind(stream):
         return d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
 
     return forward, backward
+
+
+def whole_rows(vocab: int, tile_elements: int) -> int:
+    """Rows of a working tile that holds whole rows (``loss_forward`` needs a row's statistics before
+    its gradient): as many as the budget allows (up to ``MAX_ROWS``), a multiple of 16, at least 16
+    (above the budget when ``16 * vocab`` is)."""
+    return max(ROW_MULTIPLE, min(MAX_ROWS, tile_elements // vocab) // ROW_MULTIPLE * ROW_MULTIPLE)
+
+
+def bind_loss(loss):
+    """``loss_forward`` of the ``linear`` family on top of the ``loss`` module ``loss``."""
+
+    def loss_forward(policy, ref, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, want_x,
+                     want_weight, want_bias, tile_elements):
+        n, vocab = target.numel(), _vocab(policy)
+        acc = accumulation_dtype(policy.x.dtype)
+        device = target.device
+        has_ref, full = ref is not None, terms.split_estimator(estimator)[0] == "full"
+        new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=device)  # noqa: E731
+        stats = LossStats(new(True), new(True), new(has_ref), new(full))
+        d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None
+        d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
+        d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=device) if want_weight else None
+        want_bias = want_bias and policy.bias is not None
+        d_bias = torch.zeros(vocab, dtype=acc, device=device) if want_bias else None
+        with_grad = want_x or want_weight or want_bias
+        tile_rows = whole_rows(vocab, tile_elements)
+        buffer = torch.empty(tile_rows * vocab, dtype=acc, device=device)
+        ref_buffer = torch.empty_like(buffer) if has_ref else None
+        for idx, padded, m in _scored_tiles(target, target >= 0, tile_rows):
+            tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
+            pol = _Rows(policy, padded, acc)
+            tile = pol.logits(0, vocab, buffer)
+            ref_tile = _Rows(ref, padded, acc).logits(0, vocab, ref_buffer) if has_ref else None
+            tile_in = LossRows(*(None if t is None else t[padded] for t in rows))
+            part, grad = loss.forward(tile, ref_tile, tgt, temp, tile_in, bounds, loss_type, estimator, entropy_grad,
+                                      with_grad)
+            for dst, src in zip(stats, part):
+                if dst.numel():
+                    dst[idx] = src[:m]
+            if not with_grad:
+                continue
+            _chain(policy, tile, grad)
+            if want_x:
+                d_x_rows[idx] = _mm(grad, pol.weight(0, vocab), acc)[:m].to(d_x.dtype)
+            if want_weight:
+                _add_mm(d_weight, grad.T, pol.x)
+            if want_bias:
+                d_bias += grad.sum(0)
+        bad = target == OUT_OF_RANGE
+        for dst in (stats.logp, stats.entropy, stats.ref_logp, stats.full_kl):
+            if dst.numel():
+                dst.masked_fill_(bad, float("nan"))
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return stats, d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
+
+    return loss_forward
 
 
 def _chain(side, tile, grad):

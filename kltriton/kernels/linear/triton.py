@@ -1,5 +1,7 @@
 """Triton backend of the ``linear`` family: cuBLAS tiles folded by the Triton ``stream`` kernel."""
 from kltriton.kernels.linear import tiles
+from kltriton.kernels.loss import triton as loss
 from kltriton.kernels.stream import triton as stream
 
 forward, backward = tiles.bind(stream)
+loss_forward = tiles.bind_loss(loss)
