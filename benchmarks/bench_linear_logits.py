@@ -7,7 +7,8 @@ timers and memory probe: ``python -m benchmarks.bench_linear_logits [--tokens N 
 --dtype fp32 --out FILE]``. Modes: ``forward`` (no grad), ``fwd_bwd`` (gradient w.r.t. ``hidden`` only,
 as the logits benchmarks take it w.r.t. the logits), ``fwd_bwd_w`` (w.r.t. ``hidden`` and ``weight``).
 CPU peak memory: one fresh process per row (``harness.CPU_MEM_METHOD``), in MiB above the inputs;
-``fwd_bwd_w`` includes the ``[V, H]`` weight gradient itself.
+``fwd_bwd_w`` includes the ``[V, H]`` weight gradient itself. ``--policy-loss`` times
+``policy_loss`` on ``LinearLogits`` instead (fused, two-pass, eager; against its 3-GEMM floor).
 """
 import argparse
 import json
@@ -140,6 +141,71 @@ def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
     return rows
 
 
+# --- policy_loss on LinearLogits: gradients of hidden and weight produced in the forward -----------
+
+def _loss_inputs(tokens, h, w, labels):
+    """Old log-probs near the policy's, per-token advantages, a full mask (fixed seed)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        logp = _eager(h, w, labels)
+    return logp + 0.2 * torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+
+
+def _loss_methods(old, adv):
+    """``name -> fn(h, w, labels) -> loss``: the fused op, the two-pass route (kltriton log-probs from
+    ``LinearLogits``, verl's loss in torch, autograd) and eager."""
+    import kltriton
+    from benchmarks.bench_policy_loss import CLIP_HIGH, CLIP_LOW, DUAL_CLIP, verl_vanilla
+
+    mask = torch.ones(1, old.numel(), dtype=torch.bool)
+    return {
+        "kltriton": lambda h, w, labels: kltriton.policy_loss(
+            kltriton.LinearLogits(h, w), labels, adv, old_logprobs=old, clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+            dual_clip=DUAL_CLIP).loss,
+        "two_pass": lambda h, w, labels: verl_vanilla(_kltriton(h, w, labels)[None], old[None], adv[None], mask),
+        "eager": lambda h, w, labels: verl_vanilla(_eager(h, w, labels)[None], old[None], adv[None], mask),
+    }
+
+
+def _loss_floor(h, w, labels):
+    """The three GEMMs of the fused route alone: projection, ``d_hidden``, ``d_weight``."""
+    z = h @ w.T
+    return z @ w, z.T @ h
+
+
+def run_policy_loss(tokens, hidden, vocab, dtype, rounds=3, log=print):
+    """``policy_loss`` on ``LinearLogits``, forward + backward w.r.t. hidden and weight (fp32 rows)."""
+    import kltriton
+
+    kltriton.set_validation(False)
+    env = harness.environment("cpu")
+    h, w, labels, _ = make(tokens, hidden, vocab, harness.DTYPES[dtype])
+    old, adv = _loss_inputs(tokens, h, w, labels)
+    calls = {"gemm_floor_3": lambda: _loss_floor(h, w, labels)}
+    for name, fn in _loss_methods(old, adv).items():
+        def fwd_bwd(fn=fn):
+            hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+            return torch.autograd.grad(fn(hh, ww, labels), (hh, ww))
+        calls[name] = fwd_bwd
+    samples = {name: [] for name in calls}
+    for r in range(rounds):  # round-robin, as run()
+        for name, fn in calls.items():
+            samples[name] += harness.time_ms(fn, "cpu", cpu_target_s=0.0, warmup=r == 0, min_repeats=1)
+    median = {name: sorted(t)[len(t) // 2] for name, t in samples.items()}
+    rows = []
+    for name, times in samples.items():
+        times.sort()
+        row = dict(env, op="linear_policy_loss", backend=name, mode="fwd_bwd_w", tokens=tokens, hidden=hidden,
+                   vocab=vocab, dtype=dtype, time_ms_median=median[name], time_ms_min=times[0],
+                   time_ms_max=times[-1], repeats=len(times),
+                   ratio_to_gemm_floor=median[name] / median["gemm_floor_3"],
+                   speedup_vs_two_pass=median["two_pass"] / median[name])
+        rows.append(row)
+        log(f"{name:13s} fwd_bwd_w {median[name]:9.1f} ms  x{row['ratio_to_gemm_floor']:5.2f} of the 3-GEMM floor  "
+            f"two-pass / this: {row['speedup_vs_two_pass']:.2f}")
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=2048)
@@ -148,8 +214,10 @@ def main(argv=None):
     p.add_argument("--dtype", choices=tuple(harness.DTYPES), default="fp32")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--policy-loss", action="store_true",
+                   help="time policy_loss on LinearLogits (fwd + bwd w.r.t. hidden and weight) instead")
     a = p.parse_args(argv)
-    rows = run(a.tokens, a.hidden, a.vocab, a.dtype, a.rounds)
+    rows = (run_policy_loss if a.policy_loss else run)(a.tokens, a.hidden, a.vocab, a.dtype, a.rounds)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
