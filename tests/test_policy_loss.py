@@ -387,8 +387,9 @@ def test_bad_advantages_shape():
         kltriton.policy_loss(d.logits, d.labels, torch.randn(5))
 
 
+@pytest.mark.parametrize("ref_form", ["logits", "logprobs"])
 @pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo"])
-def test_linear_logits_equal_dense_logits(loss_type):
+def test_linear_logits_equal_dense_logits(loss_type, ref_form):
     """From hidden states: the same loss and the same gradients w.r.t. hidden, weight and bias as
     policy_loss on the logits ``hidden @ weight.T + bias`` (float64, so any difference is a bug)."""
     gen = torch.Generator().manual_seed(3)
@@ -400,6 +401,8 @@ def test_linear_logits_equal_dense_logits(loss_type):
     advantages = torch.randn(b, t, dtype=torch.float64, generator=gen)
     old = torch.randn(b, t, dtype=torch.float64, generator=gen) * 0.1 - 4.0
     ref = torch.randn(b, t, v, dtype=torch.float64, generator=gen)
+    if ref_form == "logprobs":
+        ref = torch.log_softmax(ref, -1).gather(-1, labels[..., None]).squeeze(-1)
     mask = torch.rand(b, t, generator=gen) < 0.8
     kwargs = dict(old_logprobs=old, ref=ref, kl_coef=0.1, loss_type=loss_type, mask=mask, entropy_coef=0.01)
     lin = kltriton.policy_loss(kltriton.LinearLogits(hidden, weight, bias), labels, advantages, **kwargs)
