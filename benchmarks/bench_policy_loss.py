@@ -1,12 +1,15 @@
-"""Benchmark ``kltriton.policy_loss`` (PPO / GRPO clipped surrogate, dual clip, token-mean) forward +
-backward against eager PyTorch (log_softmax + gather + verl's ``compute_policy_loss_vanilla``
-formulas), against the two-pass route (kltriton ``token_logprobs`` + the same loss in PyTorch), and
-on CUDA against Liger's Triton GRPO loss when installed.
+"""Benchmark ``kltriton.policy_loss`` (PPO / GRPO clipped surrogate, dual clip, token-mean, and a k3 KL
+penalty against reference logits, GRPO's ``beta``) forward + backward against eager PyTorch
+(log_softmax + gather of both models + verl's ``compute_policy_loss_vanilla`` and ``kl_penalty``
+formulas), against the two-pass route (kltriton ``token_kl`` + the same loss in PyTorch), and on CUDA
+against Liger's Triton GRPO loss when installed (its reference log-probs computed in the timed call
+by kltriton's ``token_logprobs``, since Liger takes log-probs, not logits).
 
-The fused route writes the logits gradient in the forward: ``fwd_bwd`` moves one read and one write
-of the logits (``bytes_moved``), ``backward`` alone moves nothing for the unit upstream gradient
-(its GB/s column is meaningless; the harness's ``backward`` mode replays the graph with
-``retain_graph=True``, which the fused op refuses by design: see policy_loss). Run alone: ``python -m benchmarks.bench_policy_loss --grid small``.
+The fused route writes the logits gradient in the forward: ``fwd_bwd`` moves one read of each
+model's logits and one write of the gradient (``bytes_moved``), ``backward`` alone moves nothing
+for the unit upstream gradient (its GB/s column is meaningless; the harness's ``backward`` mode
+replays the graph with ``retain_graph=True``, which the fused op refuses by design: see
+policy_loss). Run alone: ``python -m benchmarks.bench_policy_loss --grid small``.
 """
 import sys
 
@@ -17,8 +20,8 @@ from benchmarks import baselines
 from benchmarks.harness import Unavailable
 
 OP = "policy_loss"
-N_MODELS = 1  # the policy logits only
-CLIP_LOW, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
+N_MODELS = 2  # the policy and the reference logits
+CLIP_LOW, CLIP_HIGH, DUAL_CLIP, KL_COEF = 0.2, 0.28, 3.0, 0.04
 
 
 def _rollout(inp):
@@ -31,8 +34,10 @@ def _rollout(inp):
     return old, adv
 
 
-def verl_vanilla(logp, old, adv, mask):
-    """verl 0.9 compute_policy_loss_vanilla + agg_loss("token-mean"), written as verl writes it."""
+def verl_vanilla(logp, old, adv, mask, ref_logp=None):
+    """verl 0.9 compute_policy_loss_vanilla + agg_loss("token-mean"), written as verl writes it, plus
+    ``KL_COEF`` times the token-mean k3 penalty (verl ``kl_penalty("low_var_kl")`` without its clamp)
+    when ``ref_logp`` is given."""
     adv = adv[:, None]
     ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
     pg1 = -adv * ratio
@@ -40,22 +45,27 @@ def verl_vanilla(logp, old, adv, mask):
     clip1 = torch.maximum(pg1, pg2)
     pg = torch.where(adv < 0, torch.min(-adv * DUAL_CLIP, clip1), clip1)
     m = mask.float()
-    return (pg * m).sum() / m.sum()
+    loss = (pg * m).sum() / m.sum()
+    if ref_logp is not None:
+        d = ref_logp - logp
+        loss = loss + KL_COEF * ((torch.exp(d) - d - 1) * m).sum() / m.sum()
+    return loss
 
 
 def _kltriton(backend, device):
     def factory(inp):
         baselines.check_backend(backend, device)
         old, adv = _rollout(inp)
-        return lambda x: kltriton.policy_loss(x, inp.labels, adv, old_logprobs=old, mask=inp.mask,
+        return lambda x: kltriton.policy_loss(x, inp.labels, adv, old_logprobs=old, ref=inp.ref, mask=inp.mask,
                                               clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dual_clip=DUAL_CLIP,
-                                              backend=backend).loss
+                                              kl_coef=KL_COEF, kl_estimator="k3", backend=backend).loss
     return factory
 
 
 def _eager(inp):
     old, adv = _rollout(inp)
-    return lambda x: verl_vanilla(baselines.eager_logprobs(x, inp.labels), old, adv, inp.mask)
+    return lambda x: verl_vanilla(baselines.eager_logprobs(x, inp.labels), old, adv, inp.mask,
+                                  baselines.eager_logprobs(inp.ref, inp.labels))
 
 
 def _two_pass(device):
@@ -63,8 +73,10 @@ def _two_pass(device):
         backend = "cpp" if device == "cpu" else "triton"
         baselines.check_backend(backend, device)
         old, adv = _rollout(inp)
-        return lambda x: verl_vanilla(kltriton.token_logprobs(x, inp.labels, mask=inp.mask, backend=backend),
-                                      old, adv, inp.mask)
+        def loss(x):
+            out = kltriton.token_kl(x, inp.ref, inp.labels, mask=inp.mask, backend=backend)
+            return verl_vanilla(out.logprobs, old, adv, inp.mask, out.ref_logprobs)
+        return loss
     return factory
 
 
@@ -81,8 +93,10 @@ def _liger(device):
         def loss(x):
             # Liger's loss takes the logits of the prompt's last position too (it shifts them off).
             padded = torch.cat([x, x[:, -1:]], dim=1)
-            out = triton_grpo_loss(padded, old_logp=old, ref_logp=None, completion_ids=inp.labels,
-                                   advantages=adv, completion_mask=inp.mask.int(), temperature=1.0, beta=0.0,
+            with torch.no_grad():
+                ref_logp = kltriton.token_logprobs(inp.ref, inp.labels, backend="triton")
+            out = triton_grpo_loss(padded, old_logp=old, ref_logp=ref_logp, completion_ids=inp.labels,
+                                   advantages=adv, completion_mask=inp.mask.int(), temperature=1.0, beta=KL_COEF,
                                    eps_low=CLIP_LOW, eps_high=CLIP_HIGH, inplace=False)
             return (out[0] * inp.mask).sum() / inp.mask.sum()
         return loss
