@@ -7,7 +7,8 @@ runs after a warm-up; ratios > 1 mean the C++ kernel is faster (``speedup``) or,
 
 Targets (issue 5): forward >= 8x faster than log_softmax+gather and <= 3x an amax read;
 bf16 >= 10x faster than log_softmax(x.float())+gather; backward >= 4x faster than eager autograd;
-KL forward with both logits (with and without the full KL) <= 2x reading both once.
+KL forward with both logits (with and without the full KL) <= 2x reading both once. Issue 15:
+policy_loss forward + backward >= 1.4x faster than the two-pass route and <= 1.25x one logits copy.
 """
 from __future__ import annotations
 
@@ -128,6 +129,38 @@ def main() -> None:
     add("fwd full KL fp32 2048x32000", kfull, "amax(x)+amax(y)", both, "x_read", 2.0)
     kent = timeit(lambda: cpp_stream.forward(x, None, t, temp(1.0), True, False), rep)
     add("fwd logp+entropy fp32 2048x32000", kent, "amax (one read)", amax_x, "x_read", 3.0)
+
+    # 5. policy_loss (issue 15), fwd + bwd from logits [16, 128, 32000] fp32: the fused op against the
+    # two-pass route (token_logprobs + verl's loss in torch + autograd), and against one copy of the
+    # logits, which is what its gradient costs at least: allocating and writing [N, V] (x.clone(), the
+    # fresh pages included) or, without the allocation, y.copy_(x) into a buffer that already exists.
+    import kltriton
+    from benchmarks.bench_policy_loss import verl_vanilla
+
+    kltriton.set_validation(False)
+    x3, t3 = x.view(16, n // 16, v), t.view(16, n // 16)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        old = kltriton.token_logprobs(x3, t3, backend="cpp") + 0.2 * torch.randn(t3.shape, generator=gen)
+    adv, mask = torch.randn(16, generator=gen), torch.ones(t3.shape, dtype=torch.bool)
+
+    def fused_loss():
+        xr = x3.detach().requires_grad_()
+        kltriton.policy_loss(xr, t3, adv, old_logprobs=old, clip_high=0.28, dual_clip=3.0, backend="cpp").loss.backward()
+
+    def two_pass_loss():
+        xr = x3.detach().requires_grad_()
+        verl_vanilla(kltriton.token_logprobs(xr, t3, backend="cpp"), old, adv, mask).backward()
+
+    kpl = timeit(fused_loss, rep)
+    add("policy_loss fwd+bwd fp32 2048x32000", kpl, "two-pass (token_logprobs + torch loss)", timeit(two_pass_loss, rep),
+        "speedup", 1.4)
+    add("policy_loss fwd+bwd fp32 2048x32000", kpl, "one copy, allocated (x.clone())", timeit(x.clone, rep),
+        "x_read", 1.25)
+    buffer = torch.empty_like(x)
+    add("policy_loss fwd+bwd fp32 2048x32000", kpl, "one copy into a buffer (y.copy_(x))",
+        timeit(lambda: buffer.copy_(x), rep), "x_read", 1.25)
+    kltriton.set_validation(True)
 
     print(f"device: cpu ({cpu_name()}), threads={torch.get_num_threads()}, torch {torch.__version__}, "
           f"capability {torch.backends.cpu.get_cpu_capability()}")

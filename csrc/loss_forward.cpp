@@ -152,9 +152,8 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
   const auto f32 = logits3d.options().dtype(at::kFloat);
   at::Tensor logp = at::empty({N}, f32), ent = at::empty({N}, f32);
   at::Tensor rlogp = at::empty({has_ref ? N : 0}, f32), fkl = at::empty({full ? N : 0}, f32);
-  at::Tensor grad = at::empty({with_grad ? N : 0, V}, logits3d.options());
+  at::Tensor grad = with_grad ? gradient_buffer(N, V, logits3d.options()) : at::empty({0, V}, logits3d.options());
   if (N == 0) return {logp, ent, rlogp, fkl, grad};
-  if (with_grad) advise_huge_pages(grad);
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   const int64_t* tgt = target.data_ptr<int64_t>();
   const int fmode = kEntropy | (has_ref ? kRef : 0) | (full ? kFullKl : 0);

@@ -10,10 +10,6 @@
 
 #include <cstring>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 namespace kltriton_cpp {
 namespace {
 
@@ -133,23 +129,6 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
   });
 }
 
-// The gradient is a fresh [N, V] buffer written once: ask for transparent huge pages before the
-// first touch (as torch does under THP_MEM_ALLOC_ENABLE=1). Page faults on 4 KiB pages otherwise
-// cost more than the kernel itself on large outputs. Only advice: failures are ignored.
-void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  const size_t bytes = t.nbytes();
-  if (bytes < 4 * kHuge) return;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t lo = (p + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (p + bytes) & ~(kHuge - 1);
-  if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
-
 at::Tensor as_f32_vec(const std::optional<at::Tensor>& t, int64_t N, const char* name) {
   TORCH_CHECK(t.has_value(), "kltriton_cpp: ", name, " is required");
   TORCH_CHECK(t->numel() == N, "kltriton_cpp: ", name, " must have one entry per row");
@@ -195,10 +174,9 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
     in.kl = kl_f.data_ptr<float>();
     in.rlse = rlse_f.data_ptr<float>();
   }
-  at::Tensor grad = at::empty({N, V}, logits3d.options());
+  at::Tensor grad = gradient_buffer(N, V, logits3d.options());
   if (N == 0) return grad;
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
-  advise_huge_pages(grad);
   const int mode = (has_ent ? kEntropy : 0) | (has_kl ? kRef | kFullKl : 0);
   // The reference is read only for the full-KL term.
   const std::optional<at::Tensor> ref_read = has_kl ? ref3d : std::nullopt;

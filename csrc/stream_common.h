@@ -268,6 +268,9 @@ inline int64_t row_grain(int64_t vocab) {
   return std::max<int64_t>(g, 1);
 }
 
+// A new uninitialized contiguous [N, V] gradient (gradient_buffer.cpp: large ones are reused).
+at::Tensor gradient_buffer(int64_t N, int64_t V, const at::TensorOptions& options);
+
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
                                        const std::optional<at::Tensor>& ref3d,
                                        const at::Tensor& target, const at::Tensor& temperature,

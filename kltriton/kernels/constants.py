@@ -11,7 +11,8 @@ SKIP = -1          # not scored: outputs 0.0, gradient 0
 OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off): outputs NaN
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
-CPP_SOURCES = ("stream_ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp")
+CPP_SOURCES = ("stream_ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp",
+               "gradient_buffer.cpp")
 CPP_HEADERS = ("stream_common.h",)
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
