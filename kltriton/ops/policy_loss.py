@@ -2,7 +2,7 @@
 
 Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
 ``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
-gradient w.r.t. the logits (the C++ kernel reads each row once for both). Its backward only applies
+gradient w.r.t. the logits (the C++ and Triton kernels read each row from memory once for both). Its backward only applies
 the upstream gradient, in place on the saved gradient (``kltriton::loss_scale_``), which moves no
 ``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel).
 
