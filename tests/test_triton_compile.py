@@ -6,7 +6,8 @@ target without a device, so every kernel variant is compiled here in a subproces
 interpreter is switched on for the rest of the suite), with the launch settings ``forward`` /
 ``backward`` use (``benchmarks/static.py``), for every dtype at a vocab that splits rows across
 programs (the combine kernel too) and is not a multiple of 16; a reference in another dtype than
-the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel. ``test_static_report.py`` covers aligned vocabs.
+the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel.
+``test_static_report.py`` covers aligned vocabs.
 """
 import os
 import subprocess

@@ -2,9 +2,10 @@
 
 Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
 ``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
-gradient w.r.t. the logits (the C++ and Triton kernels read each row from memory once for both). Its backward only applies
-the upstream gradient, in place on the saved gradient (``kltriton::loss_scale_``), which moves no
-``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel).
+gradient w.r.t. the logits (the C++ and Triton kernels read each row from memory once for both).
+Its backward only applies the upstream gradient, in place on the saved gradient
+(``kltriton::loss_scale_``), which moves no ``[N, V]`` bytes when that gradient is exactly 1
+(checked on the device by the kernel).
 
 ``gspo`` (a sequence-level ratio) and on-policy rollout importance sampling (weights that need the
 whole sequence's new log-probs) take the two-pass route: the differentiable ``stream`` op, the

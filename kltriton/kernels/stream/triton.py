@@ -8,9 +8,9 @@ across programs (a number that depends on ``V`` only: batch invariance) and merg
 kernel. Backward recomputes the probabilities from the saved fp32 log-sum-exp on a (row, vocab
 block) grid. See ``kltriton.kernels.stream`` for the contract and ``python -m benchmarks static``
 for what each variant compiles to. The loss family's fused kernel (``kltriton.kernels.loss.triton``)
-calls the same row helpers (``_chunk``, ``_store_stats``, ``_grad_block``). Absent optional tensors are passed as ``None``: Triton
-specializes the kernel on them (a compile-time constant), so a variant without a reference never
-carries its pointer or its code.
+calls the same row helpers (``_chunk``, ``_store_stats``, ``_grad_block``). Absent optional tensors
+are passed as ``None``: Triton specializes the kernel on them (a compile-time constant), so a
+variant without a reference never carries its pointer or its code.
 """
 from typing import NamedTuple
 
