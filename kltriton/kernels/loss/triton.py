@@ -164,8 +164,10 @@ def _loss_forward_kernel(
                                                              w_kl_ptr, w_ent_ptr, bounds_ptr, LOSS_TYPE, ESTIMATOR,
                                                              STRAIGHT)
             grad_row = grad_ptr + row.to(tl.int64) * vocab
-            for start in range(0, vocab, BLOCK_V):  # the row again, from L1/L2
-                offs = start + tl.arange(0, BLOCK_V)
+            last = (vocab - 1) // BLOCK_V * BLOCK_V
+            # The row again, last block first: the most recently read bytes are the likeliest still in L2.
+            for back in range(0, vocab, BLOCK_V):
+                offs = (last - back) + tl.arange(0, BLOCK_V)
                 in_vocab = offs < vocab
                 x = tl.load(x_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
                 y = x
