@@ -112,6 +112,7 @@ def _row_coefficients(row, logp, ref_logp, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl
 
 @triton.jit
 def _zero_row(grad_ptr, row, vocab, BLOCK_V: tl.constexpr):
+    """A zero gradient row (a skipped row, or one without a finite lse)."""
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
