@@ -1,6 +1,7 @@
 """Static report of the compiled Triton kernels: ``python -m benchmarks static [--out DIR]``.
 
-Compiles every kernel variant of ``kltriton.kernels.stream.triton`` for an NVIDIA target (sm_90 by
+Compiles every kernel variant of ``kltriton.kernels.stream.triton`` (and the loss family's fused kernel,
+``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``) for an NVIDIA target (sm_90 by
 default; no GPU needed) with the launch settings ``forward`` / ``backward`` would use, disassembles the
 cubin with the ``cuobjdump`` Triton ships, and reports per variant: registers, spills (local memory,
 STL/LDL), shared memory, the vocab loop's SASS instruction count per element handled by a thread,
@@ -49,7 +50,7 @@ def backward_variants():
 def _arg_type(name, dtype, ref_dtype=None):
     if name == "target_ptr":
         return "*i64"
-    if name == "temperature_ptr":
+    if name in ("temperature_ptr", "bounds_ptr"):
         return "*fp64"
     if name == "ref_ptr":
         return "*" + (ref_dtype or dtype)
@@ -158,8 +159,16 @@ def analyse(compiled, elements_per_thread):
     }
 
 
+def _kernel(name):
+    from kltriton.kernels.loss import triton as tl_loss
+    from kltriton.kernels.stream import triton as ts
+
+    return getattr(ts, name, None) or getattr(tl_loss, name)
+
+
 def _tasks(cases):
     """(vocab, dtype, kernel name, Launch, variant name, absent arguments) of every compile."""
+    from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
 
     for vocab, dtype in cases:
@@ -169,14 +178,14 @@ def _tasks(cases):
             for name, has_ref, absent in variants:
                 if ref is None or has_ref == ref:
                     yield vocab, dtype, kernel_name, launch, name, [a for a in absent if a in kernel.arg_names]
+        for kernel_name, launch, name, absent in tl_loss.launches(vocab, BYTES[dtype]):
+            yield vocab, dtype, kernel_name, launch, name, absent
 
 
 def _compile_and_analyse(task, arch):
-    from kltriton.kernels.stream import triton as ts
-
     vocab, dtype, kernel_name, launch, name, absent = task
     constants = dict({a: None for a in absent}, **launch.constexprs)
-    compiled = compile_kernel(getattr(ts, kernel_name), dtype, vocab, constants, launch.options, arch)
+    compiled = compile_kernel(_kernel(kernel_name), dtype, vocab, constants, launch.options, arch)
     row = dict(kernel=kernel_name, variant=name, vocab=vocab, dtype=dtype, arch=f"sm_{arch}",
                constexprs=launch.constexprs, **launch.options)
     threads = 32 * launch.options["num_warps"]

@@ -310,6 +310,37 @@ def test_unit_upstream_backward_moves_no_logits_bytes():
     torch.testing.assert_close(x.grad, 0.5 * unit)
 
 
+def test_triton_runs_the_fused_kernel(monkeypatch):
+    """With a gradient the Triton backend launches its fused kernel once (never the composed stream
+    kernels); without one it runs the stream forward alone."""
+    from kltriton.kernels.loss import composed
+    from kltriton.kernels.loss import triton as tl_loss
+
+    launches, composed_calls = [], []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    kernel = tl_loss._loss_forward_kernel
+    original = composed.forward
+    monkeypatch.setattr(tl_loss, "_loss_forward_kernel", Counted())
+    monkeypatch.setattr(composed, "forward", lambda *args: composed_calls.append(1) or original(*args))
+    d = batch()
+    x = d.logits.clone().requires_grad_()
+    cfg = dict(loss_type="ppo", clip_low=0.2, kl_coef=0.1, kl_estimator="full", entropy_coef=0.01)
+    out = call(x, d, cfg, "triton")
+    out.loss.backward()
+    assert launches == [(B * T,)] and composed_calls == []
+    x64 = d.logits.double().requires_grad_()
+    e_grad, = torch.autograd.grad(oracle(x64, d, cfg)[0], x64)
+    assert_close(x.grad, e_grad, 2e-6, 1e-4, what="grad")
+    with torch.no_grad():
+        call(x, d, cfg, "triton")
+    assert len(launches) == 1 and composed_calls == [1]
+
+
 def test_no_grad_writes_no_gradient(backend):
     d = batch()
     with torch.no_grad():

@@ -23,5 +23,7 @@ def test_static_report_has_no_problems(tmp_path):
     assert {r["variant"] for r in forward} == {"fwd", "fwd+ent", "fwd+ref", "fwd+ref+ent", "fwd+ref+fullkl",
                                                "fwd+ref+ent+fullkl"}
     assert all(r["loop_barriers"] == 0 and r["loop_shuffles"] == 0 for r in forward)
+    loss = [r for r in rows if r["kernel"] == "_loss_forward_kernel"]
+    assert {r["variant"] for r in loss} == {"ppo", "ppo+ref+k3+ent", "ppo+ref+full+ent", "cispo+rlogp+k3+"}
     assert all(r["spill_bytes"] == 0 for r in rows)
     assert all(128 in r["loop_load_bits"] for r in rows if r["vocab"] % 16 == 0 and "combine" not in r["kernel"])

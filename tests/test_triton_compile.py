@@ -6,7 +6,8 @@ target without a device, so every kernel variant is compiled here in a subproces
 interpreter is switched on for the rest of the suite), with the launch settings ``forward`` /
 ``backward`` use (``benchmarks/static.py``), for every dtype at a vocab that splits rows across
 programs (the combine kernel too) and is not a multiple of 16; a reference in another dtype than
-the policy; the loss family's kernel. ``test_static_report.py`` covers aligned vocabs.
+the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel.
+``test_static_report.py`` covers aligned vocabs.
 """
 import os
 import subprocess
@@ -29,6 +30,11 @@ COMPILE_ALL = textwrap.dedent('''
                 constants = dict(launch.constexprs, entropy_ptr=None) if "forward" in name else launch.constexprs
                 static.compile_kernel(getattr(ts, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
                 count += 1
+        for name, launch, variant, absent in tl_loss.launches(32000, static.BYTES[dtype]):
+            if "ref" in variant:
+                constants = dict(launch.constexprs, **{a: None for a in absent})
+                static.compile_kernel(getattr(tl_loss, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
+                count += 1
     for dtype in ("fp32", "bf16", "fp16"):
         kernel = tl_loss._scale_kernel
         signature = {"grad_ptr": "*" + dtype, "upstream_ptr": "*fp32", "numel": "i64", "BLOCK": "constexpr"}
@@ -43,7 +49,8 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    # Per dtype: 6 forward variants, their 6 combine kernels, 4 backward variants (48); mixed
-    # reference dtypes: forward with a reference and the backward for 3 pairs, plus the combine
-    # kernel of the fp32 policy (V = 32000 splits there) (7); the loss kernel (3).
-    assert "compiled 58" in done.stdout
+    # Per dtype: 6 forward variants, their 6 combine kernels, 4 backward variants, the fused loss
+    # kernel's 4 STATIC_VARIANTS (60); mixed reference dtypes: forward with a reference and the
+    # backward for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits there) (7),
+    # and the loss kernel's 2 variants with reference logits for 3 pairs (6); the scale kernel (3).
+    assert "compiled 76" in done.stdout

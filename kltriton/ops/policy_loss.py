@@ -2,12 +2,13 @@
 
 Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
 ``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
-gradient w.r.t. the logits (the C++ kernel reads each row once for both). Its backward only applies
-the upstream gradient, in place on the saved gradient (``kltriton::loss_scale_``), which moves no
-``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel). A
-``LinearLogits`` policy runs ``kltriton::linear_loss_forward``: the same kernels on GEMM tiles of
-whole rows, whose logits gradients go straight into the hidden / weight / bias gradients (three
-GEMMs per tile, none recomputed in the backward).
+gradient w.r.t. the logits (the C++ and Triton kernels read each row from memory once for both).
+Its backward only applies the upstream gradient, in place on the saved gradient
+(``kltriton::loss_scale_``), which moves no ``[N, V]`` bytes when that gradient is exactly 1
+(checked on the device by the kernel). A ``LinearLogits`` policy runs
+``kltriton::linear_loss_forward``: the same kernels on GEMM tiles of whole rows, whose logits
+gradients go straight into the hidden / weight / bias gradients (three GEMMs per tile, none
+recomputed in the backward).
 
 ``gspo`` (a sequence-level ratio) and on-policy rollout importance sampling (weights that need the
 whole sequence's new log-probs) take the two-pass route: the differentiable ``stream`` op, the

@@ -6,10 +6,13 @@ kernel (aggregation weights from the mask, importance-sampling weights, advantag
 computes the row's statistics and writes the row's logits gradient. ``gspo`` (a sequence-level
 ratio) is not a member: ``kltriton.ops.policy_loss`` runs it as the stream family plus autograd.
 
-Backends: ``cpp.py`` (CPU: one pass per row, the row stays in cache between the statistics and the
-gradient), ``triton.py`` and ``reference.py`` (the stream family's forward, the coefficients by
-autograd on ``[N]`` tensors, the stream family's backward: two reads of the logits inside the
-forward call). Each module provides:
+Backends: ``cpp.py`` (CPU) and ``triton.py`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): one
+pass per row, the statistics, the row's coefficients, then its gradient while the row is still in
+cache, so the logits are read from memory once; ``reference.py`` (any float dtype: the stream
+family's forward, the coefficients of ``terms.coefficients`` on ``[N]`` tensors, the stream
+family's backward; two reads of the logits inside the forward call). ``composed.py`` is that
+composition for any stream backend: the C++ backend runs it for a reference in another dtype, the
+Triton backend when no gradient is wanted. Each module provides:
 
 ``forward(logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad,
 with_grad) -> (LossStats, grad)``

@@ -1,8 +1,10 @@
 """The ``loss`` family from the ``stream`` family of one backend: statistics, coefficients, gradient.
 
-``forward`` runs the stream forward kernel, the ``[N]`` coefficients of ``terms.coefficients``, and runs the stream backward kernel with those coefficients,
-all inside the forward call: the logits are read twice (statistics, then gradient) and the
-gradient written once. The C++ backend does the same in one pass per row.
+``forward`` runs the stream forward kernel, the ``[N]`` coefficients of ``terms.coefficients``, and
+the stream backward kernel with those coefficients, all inside the forward call: the logits are read
+twice (statistics, then gradient) and the gradient written once. The reference backend is this; the
+C++ and Triton fused kernels do it in one pass per row and fall back here (C++: a reference in another
+dtype; Triton: no gradient wanted, the stream forward alone).
 """
 from kltriton import dispatch
 from kltriton.kernels.loss import LossStats, terms

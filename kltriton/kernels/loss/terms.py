@@ -2,8 +2,10 @@
 
 Used for the loss value and the metrics by every path, and differentiated by autograd for ``gspo``.
 ``coefficients`` is the hand-derived gradient of ``objective`` for the token-level losses (the
-reference and Triton backends use it; the C++ kernel's ``row_coefficients`` computes the same per
-row); the tests hold every backend against float64 oracles differentiated by autograd.
+reference backend and ``composed.py`` use it; the fused kernels compute the same per row: C++
+``row_coefficients`` in ``csrc/loss_forward.cpp``, Triton ``_row_coefficients`` in
+``kltriton/kernels/loss/triton.py``); the tests hold every backend against float64 oracles
+differentiated by autograd.
 
 ``bounds`` is the float64 ``[4]`` tensor of the ``loss`` family: ``1 - clip_low``, ``1 + clip_high``,
 dual clip (``inf`` off), KL clamp (``inf`` off).
@@ -115,8 +117,8 @@ def objective(terms: TokenTerms, entropy, w_pg, w_kl, w_ent):
 
 def coefficients(loss_type, estimator, logp, ref_logp, old, adv, w_pg, w_kl, w_ent, bounds):
     """``(d loss / d logp, d loss / d entropy, d loss / d full_kl)`` per row: the derivative of
-    ``objective`` for ``ppo`` / ``cispo``, written out (``csrc/loss_forward.cpp`` ``row_coefficients``
-    computes the same inside the kernel). At an exact tie of the max / min the unclipped branch takes
+    ``objective`` for ``ppo`` / ``cispo``, written out (the fused C++ and Triton kernels compute the
+    same per row). At an exact tie of the max / min the unclipped branch takes
     the whole gradient (autograd would split it; equal where both branches have the same slope)."""
     bounds = bounds.to(logp.dtype)
     low, high, dual, kl_clamp = bounds[0], bounds[1], bounds[2], bounds[3]

@@ -7,9 +7,10 @@ size ``[N, V]`` is written and a row is read once. Rows longer than ``CHUNK_BLOC
 across programs (a number that depends on ``V`` only: batch invariance) and merged by a small second
 kernel. Backward recomputes the probabilities from the saved fp32 log-sum-exp on a (row, vocab
 block) grid. See ``kltriton.kernels.stream`` for the contract and ``python -m benchmarks static``
-for what each variant compiles to. Absent optional tensors are passed as ``None``: Triton
-specializes the kernel on them (a compile-time constant), so a variant without a reference never
-carries its pointer or its code.
+for what each variant compiles to. The loss family's fused kernel (``kltriton.kernels.loss.triton``)
+calls the same row helpers (``_chunk``, ``_store_stats``, ``_grad_block``). Absent optional tensors
+are passed as ``None``: Triton specializes the kernel on them (a compile-time constant), so a
+variant without a reference never carries its pointer or its code.
 """
 from typing import NamedTuple
 
@@ -216,14 +217,16 @@ def _chunk(x_row, y_row, lo, hi, c2, WITH_ENTROPY: tl.constexpr, HAS_REF: tl.con
 
 @triton.jit
 def _store_skipped(row, target, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
-    """A row that is not scored (never read): SKIP -> 0.0, OUT_OF_RANGE -> NaN."""
+    """A row that is not scored (never read): SKIP -> 0.0, OUT_OF_RANGE -> NaN (absent pointers: not stored)."""
     skipped = tl.where(target == SKIP, 0.0, float("nan"))
     tl.store(logp_ptr + row, skipped)
-    tl.store(lse_ptr + row, 0.0)
+    if lse_ptr is not None:
+        tl.store(lse_ptr + row, 0.0)
     if entropy_ptr is not None:
         tl.store(entropy_ptr + row, skipped)
     if ref_logp_ptr is not None:
         tl.store(ref_logp_ptr + row, skipped)
+    if ref_lse_ptr is not None:
         tl.store(ref_lse_ptr + row, 0.0)
     if full_kl_ptr is not None:
         tl.store(full_kl_ptr + row, skipped)
@@ -232,20 +235,36 @@ def _store_skipped(row, target, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, re
 @triton.jit
 def _store_stats(row, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
                  logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
-    """Store a scored row's statistics from its merged state."""
+    """Store a scored row's statistics from its merged state and return them: ``(logp, lse, entropy,
+    ref_logp, ref_lse, full_kl)``. ``entropy`` / the reference pair / ``full_kl`` are computed when
+    ``entropy_ptr`` / ``ref_logp_ptr`` / ``full_kl_ptr`` is given (0 otherwise); ``lse_ptr`` and
+    ``ref_lse_ptr`` may be None (computed, not stored)."""
     f = _frame(m)
     log_s = tl.log(s)
-    tl.store(logp_ptr + row, _clamp_nonpositive((x_label - f) * inv_temperature - log_s))
-    tl.store(lse_ptr + row, f * inv_temperature + log_s)
+    logp = _clamp_nonpositive((x_label - f) * inv_temperature - log_s)
+    lse = f * inv_temperature + log_s
+    tl.store(logp_ptr + row, logp)
+    if lse_ptr is not None:
+        tl.store(lse_ptr + row, lse)
+    entropy = 0.0
     if entropy_ptr is not None:
-        tl.store(entropy_ptr + row, log_s - t / s * LN2)
+        entropy = log_s - t / s * LN2
+        tl.store(entropy_ptr + row, entropy)
+    ref_logp = 0.0
+    ref_lse = 0.0
+    full_kl = 0.0
     if ref_logp_ptr is not None:
         fy = _frame(my)
         log_sy = tl.log(sy)
-        tl.store(ref_logp_ptr + row, _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy))
-        tl.store(ref_lse_ptr + row, fy * inv_temperature + log_sy)
+        ref_logp = _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy)
+        ref_lse = fy * inv_temperature + log_sy
+        tl.store(ref_logp_ptr + row, ref_logp)
+        if ref_lse_ptr is not None:
+            tl.store(ref_lse_ptr + row, ref_lse)
         if full_kl_ptr is not None:
-            tl.store(full_kl_ptr + row, u / s * LN2 - log_s + log_sy)
+            full_kl = u / s * LN2 - log_s + log_sy
+            tl.store(full_kl_ptr + row, full_kl)
+    return logp, lse, entropy, ref_logp, ref_lse, full_kl
 
 
 @triton.jit
@@ -343,6 +362,25 @@ def _stream_combine_kernel(
 
 
 @triton.jit
+def _grad_block(x, y, offs, target, lse, g_logp, entropy, g_entropy, ref_lse, full_kl, g_full_kl, inv_temperature,
+                WITH_ENTROPY: tl.constexpr, WITH_FULL_KL: tl.constexpr):
+    """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
+    ``(g_logp * (onehot - p) - g_entropy * p * (log p + H) + g_full_kl * p * (log p - log q - KL)) / T``
+    (``y``: the reference logits, read only ``WITH_FULL_KL``)."""
+    log_p = x * inv_temperature - lse
+    p = tl.exp(log_p)
+    grad = g_logp * (tl.where(offs == target.to(tl.int32), 1.0, 0.0) - p)
+    if WITH_ENTROPY:
+        # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even
+        # where log_p is -inf.
+        grad -= g_entropy * tl.where(p == 0, 0.0, p * (log_p + entropy))
+    if WITH_FULL_KL:
+        log_q = y * inv_temperature - ref_lse
+        grad += g_full_kl * tl.where(p == 0, 0.0, p * (log_p - log_q - full_kl))
+    return grad * inv_temperature
+
+
+@triton.jit
 def _stream_backward_kernel(
     logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
@@ -372,24 +410,24 @@ def _stream_backward_kernel(
         g_logp = tl.load(g_logp_ptr + row)
         x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         x = tl.load(x_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
-        log_p = x * inv_temperature - lse
-        p = tl.exp(log_p)
-        grad = g_logp * (tl.where(offs == target.to(tl.int32), 1.0, 0.0) - p)
+        entropy = 0.0
+        g_entropy = 0.0
         if WITH_ENTROPY:
             entropy = tl.load(entropy_ptr + row)
             g_entropy = tl.load(g_entropy_ptr + row)
-            # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even
-            # where log_p is -inf.
-            grad -= g_entropy * tl.where(p == 0, 0.0, p * (log_p + entropy))
+        y = x
+        ref_lse = 0.0
+        full_kl = 0.0
+        g_full_kl = 0.0
         if WITH_FULL_KL:
             ref_lse = tl.load(ref_lse_ptr + row)
             full_kl = tl.load(full_kl_ptr + row)
             g_full_kl = tl.load(g_full_kl_ptr + row)
             y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
-            log_q = y * inv_temperature - ref_lse
-            grad += g_full_kl * tl.where(p == 0, 0.0, p * (log_p - log_q - full_kl))
-        tl.store(grad_row + offs, (grad * inv_temperature).to(grad_ptr.dtype.element_ty), mask=in_vocab)
+        grad = _grad_block(x, y, offs, target, lse, g_logp, entropy, g_entropy, ref_lse, full_kl, g_full_kl,
+                           inv_temperature, WITH_ENTROPY, WITH_FULL_KL)
+        tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
 
