@@ -287,19 +287,22 @@ def test_unit_upstream_backward_moves_no_logits_bytes():
     n, vocab = 512, 32000
     logits = torch.randn(n, vocab)
     labels, adv, old = torch.randint(0, vocab, (n,)), torch.randn(n), torch.randn(n) - 10
-    times = []
-    for _ in range(3):
+    x = logits.clone().requires_grad_()
+    out = kltriton.policy_loss(x, labels, adv, old_logprobs=old, backend="cpp")
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out.loss.backward()
+    metadata = ("aten::view", "aten::detach", "aten::alias", "aten::as_strided", "aten::reshape")
+    big = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in metadata
+           and any(len(s) and torch.Size(s).numel() >= n * vocab for s in e.input_shapes)]
+    assert not big, f"[N, V] work in the backward: {big}"
+    times = []  # without the profiler: the backward is autograd's bookkeeping, not an [N, V] pass
+    for _ in range(5):
         x = logits.clone().requires_grad_()
         start = time.perf_counter()
         out = kltriton.policy_loss(x, labels, adv, old_logprobs=old, backend="cpp")
         mid = time.perf_counter()
-        with torch.profiler.profile(record_shapes=True) as prof:
-            out.loss.backward()
+        out.loss.backward()
         times.append((mid - start, time.perf_counter() - mid))
-        metadata = ("aten::view", "aten::detach", "aten::alias", "aten::as_strided", "aten::reshape")
-        big = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in metadata
-               and any(len(s) and torch.Size(s).numel() >= n * vocab for s in e.input_shapes)]
-        assert not big, f"[N, V] work in the backward: {big}"
     assert min(b for _, b in times) < 0.1 * min(f for f, _ in times), times
     x = logits.clone().requires_grad_()
     out = kltriton.policy_loss(x, labels, adv, old_logprobs=old, backend="cpp")
