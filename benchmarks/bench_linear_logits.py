@@ -99,7 +99,7 @@ def peak_child(args):
 
 
 def cpu_peak(name, mode, tokens, hidden, vocab, dtype):
-    env = dict(harness.os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(harness.REPO))
+    env = dict(harness.os.environ, **harness.CPU_MEM_ENV, PYTHONPATH=str(harness.REPO))
     code = ("import json, sys; from benchmarks.bench_linear_logits import peak_child; "
             "print(peak_child(json.loads(sys.argv[1])))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([name, mode, tokens, hidden, vocab, dtype])],

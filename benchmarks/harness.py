@@ -177,8 +177,11 @@ def _mode_fn(fn, inputs: Inputs, mode: str):
 # --- peak memory --------------------------------------------------------------------------------
 
 CPU_MEM_METHOD = ("cpu: fresh python process per case (MALLOC_MMAP_THRESHOLD_=131072: blocks >= 128 KiB "
-                  "are mmapped and leave RSS when freed); per row: one warm-up call, VmHWM reset through "
-                  "/proc/self/clear_refs, peak = VmHWM after one call - VmRSS before it")
+                  "are mmapped and leave RSS when freed; KLTRITON_CPU_GRAD_CACHE=0: the C++ backend keeps "
+                  "no freed gradient, which would hide the gradient's own pages); per row: one warm-up call, "
+                  "VmHWM reset through /proc/self/clear_refs, peak = VmHWM after one call - VmRSS before it")
+# The environment of the CPU memory probes (see CPU_MEM_METHOD).
+CPU_MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "KLTRITON_CPU_GRAD_CACHE": "0"}
 CUDA_MEM_METHOD = "cuda: max_memory_allocated during one call - memory_allocated before it (inputs, graph)"
 
 
@@ -225,7 +228,7 @@ def memory_child(op_module: str, case: Case, names: list) -> dict:
 
 def cpu_peaks(op_module: str, case: Case, names: list) -> dict:
     """``memory_child`` in a fresh interpreter; an empty dict if the child failed (e.g. out of memory)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072",
+    env = dict(os.environ, **CPU_MEM_ENV,
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     code = ("import json, sys; from benchmarks.harness import Case, memory_child; "
             "a = json.loads(sys.argv[1]); print(json.dumps(memory_child(a[0], Case(**a[1]), a[2])))")
