@@ -361,8 +361,9 @@ def policy_loss(
             or zeroed above it. Without ``is_mode`` the mismatch is only reported in the metrics.
         aggregation: verl ``agg_loss`` mode; ``horizon`` divides ``"seq-mean-token-sum-norm"`` (default:
             the padded length ``T``, the longest packed segment, or ``N``).
-        process_group, vocab_start: vocab-parallel logits (and reference logits), as in ``token_kl``:
-            every rank gets the global loss and the gradient of its shard (the two-pass route).
+        process_group, vocab_start: vocab-parallel logits or ``LinearLogits`` weight shards (and the
+            reference's), as in ``token_kl``: every rank gets the global loss and the gradient of its shard
+            (the two-pass route).
 
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,

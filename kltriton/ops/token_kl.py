@@ -103,8 +103,10 @@ def token_kl(
             of the name without ``+``, the gradient of ``"k2"``).
         kl_clamp: clamp the estimator's value to ``[-kl_clamp, kl_clamp]``.
         process_group: a ``torch.distributed`` group whose ranks each hold a contiguous vocab shard
-            ``logits[..., V_local]`` (and ``ref``, when logits) (vocab-parallel); ``labels`` are then global ids. One all-gather
-            of a few fp32 per row; the backward needs no communication.
+            ``logits[..., V_local]`` or a ``LinearLogits`` with ``weight [V_local, H]`` (and ``ref``, when
+            logits, likewise) (vocab-parallel); ``labels`` are then global ids. One all-gather of a few
+            fp32 per row; the logits gradient needs no communication (a ``LinearLogits`` hidden
+            gradient: one all-reduce).
         vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
             ``V_local``, learned with one small all-gather).
 

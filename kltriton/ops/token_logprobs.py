@@ -38,8 +38,9 @@ def token_logprobs(
         return_entropy: also return the entropy of ``softmax(logits[t] / T)``.
         backend: ``"triton" | "cpp" | "reference"``; default by device (``KLTRITON_BACKEND``).
         process_group: a ``torch.distributed`` group whose ranks each hold a contiguous vocab shard
-            ``logits[..., V_local]`` (vocab-parallel); ``labels`` are then global ids. One all-gather
-            of a few fp32 per row; the backward needs no communication.
+            ``logits[..., V_local]`` or a ``LinearLogits`` with ``weight [V_local, H]`` (vocab-parallel);
+            ``labels`` are then global ids. One all-gather of a few fp32 per row; the logits gradient
+            needs no communication (a ``LinearLogits`` hidden gradient: one all-reduce).
         vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
             ``V_local``, learned with one small all-gather).
 
