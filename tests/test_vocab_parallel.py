@@ -378,7 +378,7 @@ def _worker(rank, world, init_file, report_dir, backends, names):
 
 def _backends():
     usable = [b for b in ("reference", "cpp") if dispatch.availability(b, "stream")[0]]
-    if dispatch.availability("triton", "stream")[0]:
+    if dispatch.availability("triton", "stream")[0] and dispatch.triton_interpreted():  # CPU tensors: gloo
         usable.append("triton")
     return usable
 
