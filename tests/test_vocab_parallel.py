@@ -428,3 +428,53 @@ def test_bad_input(reports):
 def test_torch_compile_fullgraph():
     _assert_case(_spawn(2, ["compile"], ["cpp" if dispatch.availability("cpp", "stream")[0] else "reference"]),
                  "compile")
+
+
+def _nccl_worker(rank, init_file, report_dir):
+    """One rank on one GPU: the NCCL group of size 1 against the ungrouped ops (CUDA, Triton)."""
+    report = {}
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+        group = dist.group.WORLD
+        gen = torch.Generator().manual_seed(11)
+        logits = _logits((4, 6, 1001), torch.bfloat16, gen).cuda()
+        ref = (logits.float() + torch.randn(logits.shape, generator=gen).cuda()).to(torch.bfloat16)
+        labels = torch.randint(0, 1001, (4, 6), generator=gen).cuda()
+        hidden = torch.randn(4, 6, 32, generator=gen).cuda()
+        weight = torch.randn(1001, 32, generator=gen).cuda()
+        for name, call in (
+            ("token_kl_full", lambda x, **kw: kltriton.token_kl(x, ref, labels, estimator="full", **kw).kl),
+            ("linear_logprobs", lambda w, **kw: kltriton.token_logprobs(kltriton.LinearLogits(hidden, w), labels,
+                                                                        **kw)),
+        ):
+            base = logits if name == "token_kl_full" else weight
+            results = []
+            for sharding in ({}, {"process_group": group}):
+                x = base.detach().requires_grad_()
+                out = call(x, **sharding)
+                out.sum().backward()
+                results.append((out, x.grad))
+            (e_out, e_grad), (a_out, a_grad) = results
+            tol = 1e-4 * (1 + e_out.abs().max().item())
+            assert_close(a_out, e_out, atol=tol, rtol=1e-4, what=f"nccl {name}")
+            assert_close(a_grad, e_grad, atol=1e-3 * e_grad.abs().max().item(), rtol=2e-2, what=f"nccl {name} grad")
+            report[name] = "ok"
+    except Exception:  # noqa: BLE001 - reported to the parent
+        report["error"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(report_dir, "rank0.json"), "w") as f:
+            json.dump(report, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.skipif(os.environ.get("KLTRITON_TEST_DEVICE", "cpu") != "cuda",
+                    reason="NCCL needs a GPU (KLTRITON_TEST_DEVICE=cuda)")
+def test_nccl_group_of_one():
+    """The NCCL path with one rank (one GPU: multi-GPU NCCL stays untested): equal to the ungrouped ops."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_nccl_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=1)
+        with open(os.path.join(tmp, "rank0.json")) as f:
+            report = json.load(f)
+    assert report == {"token_kl_full": "ok", "linear_logprobs": "ok"}, report.get("error", report)
