@@ -25,8 +25,8 @@ import triton.language as tl
 from kltriton.kernels.loss import LossStats, composed, terms
 from kltriton.kernels.rows import num_rows
 from kltriton.kernels.stream import triton as ts
-from kltriton.kernels.stream.triton import (NEG_INF, _chunk, _grad_block, _row_offset, _store_skipped,
-                                            _store_stats, _temperature)
+from kltriton.kernels.stream.triton import (NEG_INF, _chunk, _grad_block, _label_logits, _row_pointers,
+                                            _store_skipped, _store_stats, _temperature)
 
 SCALE_BLOCK = 4096
 LOG_RATIO_CLAMP = tl.constexpr(terms.LOG_RATIO_CLAMP)
@@ -144,14 +144,10 @@ def _loss_forward_kernel(
     target = tl.load(target_ptr + row)
     if target >= 0:  # a skipped row is never read
         inv_temperature, c2 = _temperature(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        y_row = x_row
-        if HAS_REF:
-            y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
-        x_label = tl.load(x_row + target).to(tl.float32)  # issued before the loop
-        y_label = x_label
-        if HAS_REF:
-            y_label = tl.load(y_row + target).to(tl.float32)
+        x_row, y_row = _row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+                                     logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                                     ref_inner_stride)
+        x_label, y_label = _label_logits(x_row, y_row, target, HAS_REF)  # issued before the loop
         m, s, t, my, sy, u = _chunk(x_row, y_row, 0, vocab, c2, True, HAS_REF, WITH_FULL_KL, ROWS, LANES, VEC)
         logp, lse, entropy, ref_logp, ref_lse, full_kl = _store_stats(
             row, x_label, y_label, m, s, t, my, sy, u, inv_temperature, logp_ptr, None, entropy_ptr, ref_logp_ptr,

@@ -102,6 +102,28 @@ def _row_offset(row, rows_per_outer, outer_stride, inner_stride):
 
 
 @triton.jit
+def _row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,
+                  ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride):
+    """Pointers to ``row`` of the policy and the reference ``[A, B, V]`` views (the policy's twice
+    without a reference)."""
+    x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+    y_row = x_row
+    if ref_ptr is not None:
+        y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    return x_row, y_row
+
+
+@triton.jit
+def _label_logits(x_row, y_row, target, HAS_REF: tl.constexpr):
+    """The label's policy and reference logits in fp32 (the policy's twice without a reference)."""
+    x_label = tl.load(x_row + target).to(tl.float32)
+    y_label = x_label
+    if HAS_REF:
+        y_label = tl.load(y_row + target).to(tl.float32)
+    return x_label, y_label
+
+
+@triton.jit
 def _clamp_nonpositive(logp):
     # tl.minimum drops NaN by default (GPU min.f32 returns the other operand); keep it.
     return tl.minimum(logp, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -297,15 +319,11 @@ def _stream_forward_kernel(
     target = tl.load(target_ptr + row)
     if target >= 0:  # a skipped row is never read
         inv_temperature, c2 = _temperature(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        y_row = x_row
-        if HAS_REF:
-            y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+        x_row, y_row = _row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+                                     logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                                     ref_inner_stride)
         if SPLIT == 1:
-            x_label = tl.load(x_row + target).to(tl.float32)  # issued before the loop
-            y_label = x_label
-            if HAS_REF:
-                y_label = tl.load(y_row + target).to(tl.float32)
+            x_label, y_label = _label_logits(x_row, y_row, target, HAS_REF)  # issued before the loop
             m, s, t, my, sy, u = _chunk(x_row, y_row, 0, vocab, c2, WITH_ENTROPY, HAS_REF, WITH_FULL_KL,
                                         ROWS, LANES, VEC)
             _store_stats(row, x_label, y_label, m, s, t, my, sy, u, inv_temperature,
@@ -341,12 +359,10 @@ def _stream_combine_kernel(
     target = tl.load(target_ptr + row)
     if target >= 0:
         inv_temperature, c2 = _temperature(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + _row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        x_label = tl.load(x_row + target).to(tl.float32)
-        y_label = x_label
-        if HAS_REF:
-            y_row = ref_ptr + _row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
-            y_label = tl.load(y_row + target).to(tl.float32)
+        x_row, y_row = _row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+                                     logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                                     ref_inner_stride)
+        x_label, y_label = _label_logits(x_row, y_row, target, HAS_REF)
         part = tl.arange(0, SPLIT_P2)
         real = part < SPLIT  # padding parts are empty states: max -inf, sums 0
         parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * 6
