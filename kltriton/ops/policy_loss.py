@@ -46,14 +46,14 @@ class PolicyLossOutput(NamedTuple):
 
 # --- the fused op ------------------------------------------------------------------------------
 
-def _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp):
-    return LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
-
-
-def _loss_value(target, loss_type, estimator, logp, entropy, ref_logp, full_kl, rows, bounds):
-    token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, rows.old_logp,
-                              rows.advantages, bounds, target >= 0)
-    return terms.objective(token, entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
+def _loss_value(target, loss_type, estimator, stats, rows, bounds, has_ref_logits):
+    """The loss from a ``loss`` kernel's ``LossStats`` and its ``LossRows`` (the reference log-probs read
+    from the reference logits, else the given ones)."""
+    ref_logp = stats.ref_logp if has_ref_logits else (rows.ref_logp if rows.ref_logp is not None
+                                                        else stats.logp[:0])
+    token = terms.token_terms(loss_type, estimator, stats.logp, stats.entropy, ref_logp, stats.full_kl,
+                              rows.old_logp, rows.advantages, bounds, target >= 0)
+    return terms.objective(token, stats.entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
 
 
 def _forward(
@@ -74,11 +74,10 @@ def _forward(
     with_grad: bool,
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
+    rows = LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
     stats, grad = dispatch.implementation("loss", backend).forward(
         logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad)
-    ref_out = stats.ref_logp if ref_logits is not None else (ref_logp if ref_logp is not None else stats.logp[:0])
-    loss = _loss_value(target, loss_type, estimator, stats.logp, stats.entropy, ref_out, stats.full_kl, rows, bounds)
+    loss = _loss_value(target, loss_type, estimator, stats, rows, bounds, ref_logits is not None)
     return loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, grad
 
 
@@ -153,13 +152,12 @@ def _linear_forward(
     backend: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    rows = _rows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
+    rows = LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
     ref = None if ref_x is None else Side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
     stats, d_x, d_weight, d_bias = dispatch.implementation("linear", backend).loss_forward(
         Side(x, weight, bias, scale, softcap), ref, target, temperature, rows, bounds, loss_type, estimator,
         entropy_grad, want_x, want_weight, want_bias, tile_elements)
-    ref_out = stats.ref_logp if ref is not None else (ref_logp if ref_logp is not None else stats.logp[:0])
-    loss = _loss_value(target, loss_type, estimator, stats.logp, stats.entropy, ref_out, stats.full_kl, rows, bounds)
+    loss = _loss_value(target, loss_type, estimator, stats, rows, bounds, ref is not None)
     grads = tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
     return (loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, *grads)
 
