@@ -137,7 +137,7 @@ def main() -> None:
     import kltriton
     from benchmarks.bench_policy_loss import verl_vanilla
 
-    kltriton.set_validation(False)
+    validation = kltriton.set_validation(False)
     x3, t3 = x.view(16, n // 16, v), t.view(16, n // 16)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -160,7 +160,7 @@ def main() -> None:
     buffer = torch.empty_like(x)
     add("policy_loss fwd+bwd fp32 2048x32000", kpl, "one copy into a buffer (y.copy_(x))",
         timeit(lambda: buffer.copy_(x), rep), "x_read", 1.25)
-    kltriton.set_validation(True)
+    kltriton.set_validation(validation)
 
     print(f"device: cpu ({cpu_name()}), threads={torch.get_num_threads()}, torch {torch.__version__}, "
           f"capability {torch.backends.cpu.get_cpu_capability()}")
