@@ -33,8 +33,8 @@ OPS = ("token_logprobs", "token_kl", "fused_kl_reward", "policy_loss")
 # Seconds per step: together under 9 minutes with the start-up of each process.
 LIMITS = {"wheels": 30, "tests": 150, "static": 45, "bench_token_logprobs": 90, "bench_token_kl": 80,
           "bench_fused_kl_reward": 50, "bench_policy_loss": 60, "plots": 20}
-CPU_ONLY_TESTS = ("tests/test_cpp_build.py", "tests/test_cpp_kernels.py")
-COMPILE_TESTS = ("tests/test_triton_compile.py", "tests/test_static_report.py")  # the static step does this
+CPU_ONLY_TESTS = ("tests/kernels/test_cpp_build.py", "tests/kernels/test_cpp_kernels.py")
+COMPILE_TESTS = ("tests/kernels/test_triton_compile.py", "tests/tools/test_static_report.py")  # the static step does this
 
 
 def steps(out: Path, wheels: Path = None, arch: int = 90):

@@ -8,6 +8,8 @@
   ``p * (log p - log q - KL)`` cancel terms of size ``log V + |x| / T`` in fp32, relative to the
   gradient's own size, plus the rounding to the dtype.
 """
+import contextlib
+
 import torch
 
 EPS32 = 2.0 ** -23
@@ -84,3 +86,29 @@ class CallCounter:
             return original(*args, **kwargs)
 
         monkeypatch.setattr(kltriton, name, counted)
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads(device):
+    """Fail on any read of a tensor's value by the host: the Python conversions that sync (``item``,
+    ``bool``, ``float``, ``int``, ``tolist``) raise, and on CUDA so does any synchronizing op."""
+    def refuse(*args, **kwargs):
+        raise HostSyncError("a tensor value was read on the host")
+
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    for name in names:
+        setattr(torch.Tensor, name, refuse)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")

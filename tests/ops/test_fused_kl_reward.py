@@ -1,11 +1,10 @@
 """fused_kl_reward: shaping, per-sequence means, gradients, and parity with the seed systems' arithmetic."""
-import contextlib
 
 import pytest
 import torch
 
 import kltriton
-from helpers import assert_close, random_logits
+from helpers import HostSyncError, assert_close, no_host_reads, random_logits
 
 
 def padded_batch(batch=4, width=9, vocab=307, dtype=torch.float32, seed=0):
@@ -55,32 +54,6 @@ def test_shaping_and_gradients(backend, device, estimator):
     assert_close(out.kl_per_seq, kl_per_seq, 2e-5, what="kl_per_seq")
     assert_close(grad, e_grad, 2e-6, what="grad")
     assert out.kl_per_seq[3] == 0  # a sequence with no scored position
-
-
-class HostSyncError(AssertionError):
-    pass
-
-
-@contextlib.contextmanager
-def no_host_reads(device):
-    """Fail on any read of a tensor's value by the host: the Python conversions that sync (``item``,
-    ``bool``, ``float``, ``int``, ``tolist``) raise, and on CUDA so does any synchronizing op."""
-    def refuse(*args, **kwargs):
-        raise HostSyncError("a tensor value was read on the host")
-
-    names = ("item", "__bool__", "__float__", "__int__", "tolist")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-    for name in names:
-        setattr(torch.Tensor, name, refuse)
-    if device == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        if device == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_coef_tensor_equals_float_and_needs_no_sync(backend, device):

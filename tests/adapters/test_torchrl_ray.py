@@ -1,7 +1,7 @@
 """Ray service variants of the torchrl drop-ins on a real local Ray cluster started here.
 
 Run where only loopback exists, e.g.
-``unshare --net sh -c 'ip link set lo up && exec python -m pytest -m ray tests/test_torchrl_ray.py'``.
+``unshare --net sh -c 'ip link set lo up && exec python -m pytest -m ray tests/adapters/test_torchrl_ray.py'``.
 """
 import os
 import warnings
@@ -18,21 +18,22 @@ pytest.importorskip("transformers")
 from tensordict import set_list_to_stack  # noqa: E402
 
 import kltriton.adapters.torchrl as ours  # noqa: E402
-from test_adapters_torchrl import (  # noqa: E402
+from torchrl_support import (  # noqa: E402
     KEYS, assert_same_rows, history_data, model_pair, tiny_wrapper, token_data)
 
 pytestmark = pytest.mark.ray
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     """A 2-CPU local cluster whose workers import this checkout of kltriton and these test helpers."""
-    path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "TRITON_INTERPRET": "1"}})
     where = ray.get(ray.remote(lambda: __import__("kltriton").__file__).remote())
-    assert where.startswith(str(TESTS.parent)), where
+    assert where.startswith(str(REPO)), where
     yield
     ray.shutdown()
 

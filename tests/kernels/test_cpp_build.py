@@ -22,7 +22,7 @@ from helpers import temp
 from kltriton.kernels import cpp_library
 from kltriton.kernels.stream import cpp as stream_cpp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str, env_extra: dict, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,11 +1,11 @@
-"""Contract additions of issue 12: integer masks, a reference dtype other than the policy's, a
+"""Contract additions: integer masks, a reference dtype other than the policy's, a
 per-position temperature, non-finite temperatures refused everywhere, verl's straight-through estimators."""
 import pytest
 import torch
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, random_labels, random_logits
-from test_fused_kl_reward import no_host_reads
+from helpers import MIXED_GRAD_RTOL, assert_close, no_host_reads, random_labels, random_logits
+
 
 VOCAB = 301
 
