@@ -82,7 +82,7 @@ GRIDS = {
     ), cpu_target_s=0.2),
     # GPU: vocabularies of Llama-2, Llama-3, Qwen-2 and Gemma-3; 1k..16k tokens; packed masks.
     "full": Grid(_full_grid()),
-    # GPU, a few minutes (``python -m benchmarks gpu``): the issue-19 targets (bf16 8192 x 151936,
+    # GPU, a few minutes (``python -m benchmarks gpu``): the headline targets (bf16 8192 x 151936,
     # small N = 256), each vocab at 8k tokens, fp32 once, half the positions masked once.
     "gpu": Grid((
         Case(8192, 151936, "bf16", 0.0),

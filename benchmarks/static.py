@@ -1,7 +1,7 @@
 """Static report of the compiled Triton kernels: ``python -m benchmarks static [--out DIR]``.
 
 Compiles every kernel variant of ``kltriton.kernels.stream.triton`` (and the loss family's fused kernel,
-``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``) for an NVIDIA target (sm_90 by
+``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
 default; no GPU needed) with the launch settings ``forward`` / ``backward`` would use, disassembles the
 cubin with the ``cuobjdump`` Triton ships, and reports per variant: registers, spills (local memory,
 STL/LDL), shared memory, the vocab loop's SASS instruction count per element handled by a thread,
@@ -28,29 +28,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUICK = ((151936, "bf16"), (50257, "fp32"), (32000, "fp16"))
 
 
-def forward_variants():
-    """(name, absent argument names) of every forward specialization: ref, entropy, full KL."""
-    for ref, ent, full in itertools.product((False, True), repeat=3):
-        if full and not ref:
-            continue
-        name = "fwd" + ("+ref" if ref else "") + ("+ent" if ent else "") + ("+fullkl" if full else "")
-        absent = ([] if ref else ["ref_ptr", "ref_logp_ptr", "ref_lse_ptr"]) + \
-                 ([] if ent else ["entropy_ptr"]) + ([] if full else ["full_kl_ptr"])
-        yield name, ref, absent
-
-
-def backward_variants():
-    for ent, full in itertools.product((False, True), repeat=2):
-        name = "bwd" + ("+ent" if ent else "") + ("+fullkl" if full else "")
-        absent = ([] if ent else ["entropy_ptr", "g_entropy_ptr"]) + \
-                 ([] if full else ["ref_ptr", "ref_lse_ptr", "full_kl_ptr", "g_full_kl_ptr"])
-        yield name, full, absent
-
-
 def _arg_type(name, dtype, ref_dtype=None):
     if name == "target_ptr":
         return "*i64"
-    if name in ("temperature_ptr", "bounds_ptr"):
+    if name in ("temperature_ptr", "hp_ptr"):
         return "*fp64"
     if name == "ref_ptr":
         return "*" + (ref_dtype or dtype)
@@ -172,14 +153,9 @@ def _tasks(cases):
     from kltriton.kernels.stream import triton as ts
 
     for vocab, dtype in cases:
-        for kernel_name, launch, ref in ts.launches(vocab, BYTES[dtype]):
-            kernel = getattr(ts, kernel_name)
-            variants = backward_variants() if "backward" in kernel_name else forward_variants()
-            for name, has_ref, absent in variants:
-                if ref is None or has_ref == ref:
-                    yield vocab, dtype, kernel_name, launch, name, [a for a in absent if a in kernel.arg_names]
-        for kernel_name, launch, name, absent in tl_loss.launches(vocab, BYTES[dtype]):
-            yield vocab, dtype, kernel_name, launch, name, absent
+        for module in (ts, tl_loss):
+            for kernel_name, launch, name, absent in module.launches(vocab, BYTES[dtype]):
+                yield vocab, dtype, kernel_name, launch, name, absent
 
 
 def _compile_and_analyse(task, arch):

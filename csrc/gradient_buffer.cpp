@@ -15,7 +15,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "stream_common.h"
+#include "common.h"
 
 namespace kltriton_cpp {
 namespace {

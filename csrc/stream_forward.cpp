@@ -1,224 +1,14 @@
-// Forward of the kltriton C++ CPU backend: per row of [A, B, V] logits (and optionally reference
-// logits), one streaming pass over the vocabulary gives log p(label), logsumexp(x / T), the
-// entropy, the reference log-prob / logsumexp and the full KL(p || q).
-//
-// Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
-// 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
-// is kept in raw logit units per SIMD lane and z = (x - m) * c <= 0: the max itself has z = 0 and
-// e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
-// -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
-// streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
-// t = sum e^z z, u = sum e^zx (zx - zy), e^z meaning exp(z kZUnit)) is rescaled once per block,
-// then the block's exponentials are accumulated from L1. Each row
-// is read from memory once. The SIMD lanes are combined in double at the end of the row.
-#include "stream_common.h"
+// The stream family's forward op on the CPU: each row's statistics by the row kernel of
+// row_forward.h, rows in parallel, written to one output tensor per statistic.
+#include "row_forward.h"
 
 namespace kltriton_cpp {
 namespace {
 
-constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
-
-struct RowOut {
-  float logp, lse, entropy, ref_logp, ref_lse, full_kl;
-};
-
-template <int MODE>
-struct LaneState {
-  static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  Vec mx, mix, sx, tx, my, miy, sy, u;
-  Vec vinv;
-
-  explicit LaneState(float inv)
-      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), vinv(inv) {}
-
-  // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf).
-  template <typename LX, typename LY>
-  inline void block(int64_t nv, const LX& ldx, const LY& ldy) {
-    const Vec ninf(-kInf), zero(0.f);
-    Vec bx = ninf, by = ninf;
-    for (int64_t i = 0; i < nv; ++i) {
-      bx = vmax(bx, ldx(i));
-      if constexpr (REF) by = vmax(by, ldy(i));
-    }
-    // Rescale the lane sums to the new frame. A lane that was empty (max -inf) has zero sums
-    // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the max grew
-    // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
-    // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
-    const Vec mxn = vmax(mx, bx);
-    const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
-    const Vec dx = (mixn - mix) * vinv;
-    const Vec ax = Vec::blendv(vexpz(zero - dx), zero, mx == ninf);
-    const Vec ax_zero = ax == zero;
-    Vec dy = zero;
-    if constexpr (REF) {
-      const Vec myn = vmax(my, by);
-      const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
-      dy = (miyn - miy) * vinv;
-      const Vec ay = Vec::blendv(vexpz(zero - dy), zero, my == ninf);
-      sy = ay * sy;
-      my = myn;
-      miy = miyn;
-    }
-    if constexpr (KL) u = Vec::blendv(ax * (u - (dx - dy) * sx), zero, ax_zero);
-    if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
-    sx = ax * sx;
-    mx = mxn;
-    mix = mixn;
-
-    // Block sums relative to the new frame, two accumulators each (independent add chains).
-    const Vec lowest(kLowest);
-    Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
-    auto step = [&](int64_t i, int j) {
-      const Vec zx = (ldx(i) - mix) * vinv;
-      const Vec ex = vexpz(zx);
-      bs[j] = bs[j] + ex;
-      Vec zxc;
-      if constexpr (ENT || KL) {
-        // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
-        zxc = at::vec::clamp_min(zx, lowest);
-      }
-      if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
-      if constexpr (REF) {
-        const Vec zy = (ldy(i) - miy) * vinv;
-        bsy[j] = bsy[j] + vexpz(zy);
-        // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
-        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
-      }
-    };
-    int64_t i = 0;
-    for (; i + 2 <= nv; i += 2) {
-      step(i, 0);
-      step(i + 1, 1);
-    }
-    if (i < nv) step(i, 0);
-    sx = sx + (bs[0] + bs[1]);
-    if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
-    if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
-    if constexpr (KL) u = u + (bu[0] + bu[1]);
-  }
-};
-
-struct Combined {
-  bool bad = false;    // a NaN or +inf logit in the row
-  bool dead = false;   // every logit is -inf
-  double mi = 0.0;     // max raw logit: the frame of s and t
-  double s = 0.0, t = 0.0;
-};
-
-// Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame;
-// scale = 1 / (T kZUnit).
-inline Combined combine(const float* m, const float* mi, const float* s, const float* t, double scale) {
-  Combined c;
-  c.mi = -std::numeric_limits<double>::infinity();
-  bool any = false;
-  for (int64_t l = 0; l < kW; ++l) {
-    if (std::isnan(m[l]) || m[l] == kInf || std::isnan(mi[l])) {
-      c.bad = true;
-    } else if (m[l] != -kInf) {
-      any = true;
-      c.mi = std::max(c.mi, static_cast<double>(mi[l]));
-    }
-  }
-  c.dead = !any;
-  if (c.bad || c.dead) return c;
-  for (int64_t l = 0; l < kW; ++l) {
-    if (m[l] == -kInf) continue;
-    const double d = (c.mi - static_cast<double>(mi[l])) * scale;
-    const double a = std::exp(-d * kZUnit);
-    c.s += a * s[l];
-    if (t != nullptr) c.t += a * (static_cast<double>(t[l]) - d * s[l]);
-  }
-  return c;
-}
-
-// hi + lo = 1 / T (Temperatures::inverse). Exponents are in kZUnit units (c = 1 / (T kZUnit)), the
-// results in natural units.
 template <typename T, typename R, int MODE>
-RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
-  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  const double c = (static_cast<double>(hi) + lo) / kZUnit;
-  LaneState<MODE> st(static_cast<float>(c));
-  const int64_t nvec = V / kW, rem = V - nvec * kW;
-  for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
-    const int64_t nv = std::min(kBlockVecs, nvec - v0);
-    const T* px = x + v0 * kW;
-    const R* py = REF ? y + v0 * kW : nullptr;
-    st.block(
-        nv, [px](int64_t i) { return load_f(px + i * kW); },
-        [py](int64_t i) { return load_f(py + i * kW); });
-  }
-  if (rem) {
-    alignas(64) float bx[kW], by[kW];
-    for (int64_t l = 0; l < kW; ++l) {
-      bx[l] = l < rem ? static_cast<float>(x[nvec * kW + l]) : -kInf;
-      by[l] = (REF && l < rem) ? static_cast<float>(y[nvec * kW + l]) : -kInf;
-    }
-    st.block(
-        1, [&bx](int64_t) { return Vec::loadu(bx); }, [&by](int64_t) { return Vec::loadu(by); });
-  }
-
-  alignas(64) float amx[kW], amix[kW], asx[kW], atx[kW];
-  st.mx.store(amx);
-  st.mix.store(amix);
-  st.sx.store(asx);
-  st.tx.store(atx);
-  const Combined cx = combine(amx, amix, asx, ENT ? atx : nullptr, c);
-
-  RowOut r{kNaN, kNaN, kNaN, kNaN, kNaN, kNaN};
-  const double xl = static_cast<double>(static_cast<float>(x[label]));
-  if (cx.bad) {
-    // NaN / +inf logits: no distribution (lse NaN so the backward writes zeros).
-  } else if (cx.dead) {
-    r.lse = -kInf;
-  } else {
-    const double log_s = std::log(cx.s);
-    r.lse = static_cast<float>(kZUnit * c * cx.mi + log_s);
-    const double zl = (xl - cx.mi) * c;
-    r.logp = xl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
-    if constexpr (ENT) r.entropy = static_cast<float>(log_s - kZUnit * cx.t / cx.s);
-  }
-  if constexpr (REF) {
-    alignas(64) float amy[kW], amiy[kW], asy[kW];
-    st.my.store(amy);
-    st.miy.store(amiy);
-    st.sy.store(asy);
-    const Combined cy = combine(amy, amiy, asy, nullptr, c);
-    if (cy.bad) {
-      r.ref_lse = kNaN;
-    } else if (cy.dead) {
-      r.ref_lse = -kInf;
-    } else {
-      const double log_s = std::log(cy.s);
-      r.ref_lse = static_cast<float>(kZUnit * c * cy.mi + log_s);
-      const double yl = static_cast<double>(static_cast<float>(y[label]));
-      const double zl = (yl - cy.mi) * c;
-      r.ref_logp = yl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
-      if constexpr (KL) {
-        if (!cx.bad && !cx.dead) {
-          alignas(64) float au[kW];
-          st.u.store(au);
-          double U = 0.0;
-          for (int64_t l = 0; l < kW; ++l) {
-            if (amx[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
-            const double a = std::exp(-dxl * kZUnit);
-            if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
-            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
-          }
-          r.full_kl = static_cast<float>(kZUnit * U / cx.s - std::log(cx.s) + log_s);
-        }
-      }
-    }
-  }
-  return r;
-}
-
-template <typename T, typename R, int MODE>
-void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                 const int64_t* tgt, int64_t N, int64_t V, const Temperatures& temp, float* logp,
-                 float* lse, float* ent, float* rlogp, float* rlse, float* fkl) {
-  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
+void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d, const int64_t* tgt, int64_t N,
+                 int64_t V, const Temperatures& temp, float* const* out) {
+  constexpr bool REF = MODE & kRef;
   const Rows3d X(logits3d);
   const Rows3d Y = REF ? Rows3d(*ref3d) : Rows3d();
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
@@ -226,73 +16,58 @@ void run_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& re
       const int64_t tg = tgt[n];
       RowOut r;
       if (tg < 0 || tg >= V) {
-        // kSkip: 0; kOutOfRange (and any label >= V): NaN. The row is never read.
-        const float v = tg == kSkip ? 0.f : kNaN;
-        r = RowOut{v, 0.f, v, v, 0.f, v};
+        r = skipped_row(tg);  // the row is never read
       } else {
         float hi;
         double lo;
         temp.inverse(n, hi, lo);
         r = forward_row<T, R, MODE>(X.row<T>(n), REF ? Y.row<R>(n) : nullptr, V, tg, hi, lo);
       }
-      logp[n] = r.logp;
-      lse[n] = r.lse;
-      if constexpr (ENT) ent[n] = r.entropy;
-      if constexpr (REF) {
-        rlogp[n] = r.ref_logp;
-        rlse[n] = r.ref_lse;
+      for (int i = 0; i < kNumStats; ++i) {
+        if (out[i] != nullptr) out[i][n] = r.v[i];
       }
-      if constexpr (KL) fkl[n] = r.full_kl;
     }
   });
 }
 
 }  // namespace
 
-#ifndef KLTRITON_ROW_KERNELS_ONLY
-std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
-                                       const std::optional<at::Tensor>& ref3d,
-                                       const at::Tensor& target, const at::Tensor& temperature,
-                                       bool with_entropy, bool with_full_kl) {
+std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                       const at::Tensor& target, const at::Tensor& temperature, int64_t wanted) {
   int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
   std::tie(N, V) = check_stream_args(logits3d, target, temperature);
   const bool has_ref = ref3d.has_value();
-  TORCH_CHECK(!with_full_kl || has_ref, "kltriton_cpp: with_full_kl needs ref_logits");
+  TORCH_CHECK(has_ref == ((wanted & kRef) != 0), "kltriton_cpp: the REF request bit must match ref_logits");
+  TORCH_CHECK(!(wanted & kFullKl) || has_ref, "kltriton_cpp: the full KL needs ref_logits");
   if (has_ref) {
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
   }
   const auto f32 = logits3d.options().dtype(at::kFloat);
-  auto out = [&](bool wanted) { return at::empty({wanted ? N : 0}, f32); };
-  at::Tensor logp = out(true), lse = out(true), ent = out(with_entropy);
-  at::Tensor rlogp = out(has_ref), rlse = out(has_ref), fkl = out(with_full_kl);
-  if (N > 0) {
-    const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
-    const int64_t* tgt = target.data_ptr<int64_t>();
-    float* o[6] = {logp.data_ptr<float>(), lse.data_ptr<float>(),
-                   with_entropy ? ent.data_ptr<float>() : nullptr,
-                   has_ref ? rlogp.data_ptr<float>() : nullptr,
-                   has_ref ? rlse.data_ptr<float>() : nullptr,
-                   with_full_kl ? fkl.data_ptr<float>() : nullptr};
-    const int mode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (with_full_kl ? kFullKl : 0);
-    with_dtypes(logits3d.scalar_type(), ref3d, [&](auto tag, auto ref_tag) {
-      using T = typename decltype(tag)::type;
-      using R = typename decltype(ref_tag)::type;
-      if (has_ref) {
-        with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
-          run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
-        });
-      } else if constexpr (std::is_same_v<T, R>) {
-        with_mode<0, kEntropy>(mode, [&](auto m) {
-          run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, o[0], o[1], o[2], o[3], o[4], o[5]);
-        });
-      }
-    });
+  std::vector<at::Tensor> stats;
+  float* out[kNumStats];
+  for (int i = 0; i < kNumStats; ++i) {
+    const bool present = stat_present(i, wanted);
+    stats.push_back(at::empty({present ? N : 0}, f32));
+    out[i] = present ? stats.back().data_ptr<float>() : nullptr;
   }
-  return {logp, lse, ent, rlogp, rlse, fkl};
+  if (N == 0) return stats;
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const int mode = static_cast<int>(wanted);
+  with_dtypes(logits3d.scalar_type(), ref3d, [&](auto tag, auto ref_tag) {
+    using T = typename decltype(tag)::type;
+    using R = typename decltype(ref_tag)::type;
+    if (has_ref) {
+      with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+        run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out);
+      });
+    } else if constexpr (std::is_same_v<T, R>) {
+      with_mode<0, kEntropy>(mode, [&](auto m) { run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out); });
+    }
+  });
+  return stats;
 }
-
-#endif  // KLTRITON_ROW_KERNELS_ONLY
 
 }  // namespace kltriton_cpp

@@ -7,11 +7,11 @@ from kltriton import controllers, dispatch
 from kltriton._inputs import set_validation
 from kltriton.dropins import (entropy_from_logits, logprobs_of_labels, selective_log_softmax,
                               selective_log_softmax_and_entropy)
-from kltriton.ops.fused_kl_reward import KLReward, fused_kl_reward
-from kltriton.ops.policy_loss import PolicyLossOutput, policy_loss
-from kltriton.ops.linear_logits import LinearLogits
-from kltriton.ops.token_kl import KLOutput, token_kl
-from kltriton.ops.token_logprobs import token_logprobs
+from kltriton.functional.fused_kl_reward import KLReward, fused_kl_reward
+from kltriton.functional.policy_loss import PolicyLossOutput, policy_loss
+from kltriton.functional.token_kl import KLOutput, token_kl
+from kltriton.functional.token_logprobs import token_logprobs
+from kltriton.linear_logits import LinearLogits
 
 __version__ = "0.1.0"
 

@@ -62,12 +62,7 @@ def availability(backend: str, family: str = "stream"):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if importlib.util.find_spec(_module_name(family, backend)) is None:
         return False, f"does not implement the {family!r} family"
-    usable, why = _backend_availability(backend)
-    if usable:
-        declined = getattr(implementation(family, backend), "DECLINED", None)
-        if declined:
-            return False, declined
-    return usable, why
+    return _backend_availability(backend)
 
 
 def implementation(family: str, backend: str):

@@ -6,7 +6,7 @@ originals: the results are fp32 whatever the logits' dtype (the kernels accumula
 """
 import torch
 
-from kltriton.ops.token_logprobs import token_logprobs
+from kltriton.functional.token_logprobs import token_logprobs
 
 NO_IGNORE = torch.iinfo(torch.int64).min  # the originals score every position
 

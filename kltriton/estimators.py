@@ -1,4 +1,5 @@
-"""Per-token KL estimators on ``d = logp - ref_logp`` (``[N]`` PyTorch work, shared by every backend).
+"""Per-token KL estimators on ``d = logp - ref_logp``: the one parser (``parse``) and the one formula
+(``Estimator.value``) every entry uses.
 
 | estimator | value                 | aliases               |
 |-----------|-----------------------|-----------------------|
@@ -11,51 +12,98 @@
 verl's straight-through names ``k1+`` (``kl+``), ``abs+``, ``k3+`` (``low_var_kl+``) take the value of the
 estimator without ``+`` and the gradient of ``k2`` (verl ``kl_penalty``); ``k2+`` (``mse+``) is ``k2``.
 """
+from typing import NamedTuple, Optional
+
 import torch
 
 ESTIMATORS = ("k1", "abs", "k2", "k3", "full")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
-def canonical(estimator) -> str:
-    """The canonical name of ``estimator`` (an alias, or a straight-through ``+`` name, is accepted)."""
-    if not isinstance(estimator, str):
-        raise TypeError(f"estimator must be a str, got {type(estimator).__name__}")
-    straight_through = estimator.endswith("+")
-    base = estimator[:-1] if straight_through else estimator
-    name = ALIASES.get(base, base)
-    if name not in ESTIMATORS or (straight_through and name == "full"):
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, an alias {tuple(ALIASES)}, or a straight-through "
+class Estimator(NamedTuple):
+    """A parsed estimator: ``base`` (one of ``ESTIMATORS``) and verl's straight-through ``+``."""
+    base: str
+    straight_through: bool = False
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling (``"k3+"``): what crosses a custom-op boundary, parsed back by ``parse``."""
+        return self.base + ("+" if self.straight_through else "")
+
+    @property
+    def needs_ref_logits(self) -> bool:
+        return self.base == "full"
+
+    def value(self, logp, ref_logp, full_kl=None, kl_clamp=None) -> torch.Tensor:
+        """The estimator's value on ``[N]`` tensors, clamped to ``[-kl_clamp, kl_clamp]`` (a float or a 0-dim
+        tensor); autograd derives
+        its gradient. Straight through: bitwise the base estimator's value, the gradient of ``k2``
+        (verl's ``k2 - k2.detach() + base.detach()``)."""
+        if self.base == "full":
+            kl = full_kl
+        else:
+            d = logp - ref_logp
+            if self.base == "k1":
+                kl = d
+            elif self.base == "abs":
+                kl = d.abs()
+            elif self.base == "k2":
+                kl = 0.5 * d * d
+            else:
+                kl = torch.expm1(-d) + d  # k3: exp(-d) - 1 + d, expm1 keeps small d accurate
+        if kl_clamp is not None:
+            kl = kl.clamp(-kl_clamp, kl_clamp)
+        if self.straight_through:
+            d = logp - ref_logp
+            k2 = 0.5 * d * d
+            kl = k2 - k2.detach() + kl.detach()
+        return kl
+
+    def slope(self, d, kl_clamp) -> torch.Tensor:
+        """``d value / d logp`` on ``d = logp - ref_logp`` (not for ``"full"``): 0 where the clamp holds the
+        value; the straight-through names take the slope of ``k2`` (``d``)."""
+        if self.straight_through:
+            return d
+        slope = {"k1": torch.ones_like(d), "abs": torch.sign(d), "k2": d, "k3": -torch.expm1(-d)}[self.base]
+        value = Estimator(self.base).value(d, torch.zeros_like(d))
+        return torch.where(value.abs() > kl_clamp, torch.zeros_like(d), slope)
+
+
+def _table():
+    """Every accepted name -> its ``Estimator``."""
+    table = {}
+    for name in ESTIMATORS + tuple(ALIASES):
+        base = ALIASES.get(name, name)
+        table[name] = Estimator(base)
+        if base != "full":
+            table[name + "+"] = Estimator(base, base != "k2")  # "k2+" is k2: its own gradient
+    return table
+
+
+BY_NAME = _table()
+
+
+def parse(estimator, *, ref_logits: bool = True, argument: str = "estimator") -> Estimator:
+    """The ``Estimator`` named by ``estimator`` (a name, an alias, a straight-through ``+`` name, or an
+    ``Estimator``). ``ref_logits=False``: the reference is given as log-probs, so ``"full"`` is refused.
+    Errors name ``argument``."""
+    if isinstance(estimator, (Estimator, str)):
+        parsed = BY_NAME.get(estimator.name if isinstance(estimator, Estimator) else estimator)
+    else:
+        raise TypeError(f"{argument} must be a str, got {type(estimator).__name__}")
+    if parsed is None:
+        raise ValueError(f"{argument} must be one of {ESTIMATORS}, an alias {tuple(ALIASES)}, or a straight-through "
                          f"name such as 'k3+' or 'low_var_kl+', got {estimator!r}")
-    return name + "+" if straight_through and name != "k2" else name
+    if parsed.needs_ref_logits and not ref_logits:
+        raise ValueError(f"{argument}='full' needs reference logits in ref, not reference log-probs")
+    return parsed
 
 
-def check_kl_clamp(kl_clamp):
+def check_kl_clamp(kl_clamp) -> Optional[float]:
     if kl_clamp is None:
         return None
-    if isinstance(kl_clamp, torch.Tensor) or not isinstance(kl_clamp, (int, float)):
+    if isinstance(kl_clamp, (torch.Tensor, bool)) or not isinstance(kl_clamp, (int, float)):
         raise TypeError(f"kl_clamp must be a python float or None, got {type(kl_clamp).__name__}")
     if not kl_clamp > 0:
         raise ValueError(f"kl_clamp must be > 0, got {kl_clamp}")
     return float(kl_clamp)
-
-
-def value(estimator: str, kl_clamp, logp, ref_logp, full_kl):
-    """The estimator's value on ``[N]`` tensors (``kl_clamp`` applied); autograd derives its gradient."""
-    if estimator.endswith("+"):
-        # Straight through: the base estimator's (clamped) value, the gradient of k2.
-        k2 = value("k2", None, logp, ref_logp, full_kl)
-        return k2 + (value(estimator[:-1], kl_clamp, logp, ref_logp, full_kl) - k2).detach()
-    if estimator == "full":
-        kl = full_kl
-    else:
-        d = logp - ref_logp
-        if estimator == "k1":
-            kl = d
-        elif estimator == "abs":
-            kl = d.abs()
-        elif estimator == "k2":
-            kl = 0.5 * d * d
-        else:
-            kl = torch.expm1(-d) + d  # k3: exp(-d) - 1 + d, expm1 keeps small d accurate
-    return kl if kl_clamp is None else kl.clamp(-kl_clamp, kl_clamp)

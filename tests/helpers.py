@@ -112,3 +112,20 @@ def no_host_reads(device):
             setattr(torch.Tensor, name, fn)
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
+
+
+def kernel_forward(impl, x, y, t, temperature, entropy=False, full_kl=False):
+    """A ``stream`` backend module's forward with the statistics named by flags (the reference pair with ``y``)."""
+    from kltriton.kernels import statistics
+
+    return impl.forward(x, y, t, temperature, statistics.request(entropy=entropy, ref=y is not None, full_kl=full_kl))
+
+
+def kernel_backward(impl, x, y, t, temperature, stats, g_logp, g_entropy=None, g_full_kl=None):
+    """A ``stream`` backend module's backward for upstream gradients of ``logp`` / ``entropy`` / ``full_kl`` on
+    the statistics ``stats`` of its forward (their gradient basis, ``statistics.gradient_basis``)."""
+    from kltriton.kernels import statistics
+
+    basis = statistics.gradient_basis({"logp": g_logp, "entropy": g_entropy, "full_kl": g_full_kl}, stats, temperature)
+    logq = basis.p_logq is not None
+    return impl.backward(x, y if logq else None, t, temperature, stats.lse, stats.ref_lse if logq else None, basis)

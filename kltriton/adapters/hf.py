@@ -9,9 +9,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton.ops.linear_logits import LinearLogits
-from kltriton.ops.token_kl import token_kl
-from kltriton.ops.token_logprobs import token_logprobs
+from kltriton.functional.token_kl import token_kl
+from kltriton.functional.token_logprobs import token_logprobs
+from kltriton.linear_logits import LinearLogits
 
 
 class CausalLMLogprobs(NamedTuple):

@@ -8,7 +8,7 @@ Ray variant (``kltriton.adapters.torchrl_ray``, needs ``pip install kltriton[ray
 
 Only torchrl's public API is used: a model's logits come from its ``get_dist(...).logits``.
 
-Layouts: an entry is read once into packed rows (``Rows``: ``values [N, ...]`` plus per-sample
+Layouts: an entry is read once into packed rows (``Packed``: ``values [N, ...]`` plus per-sample
 lengths) whatever its layout (one padded ``[B, T, ...]`` tensor, a strided nested tensor, or the
 per-sample tensors of a lazily stacked tensordict), computed on, and written back once: padded
 stays padded, anything else is written as a strided nested tensor, as torchrl does.
@@ -31,7 +31,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
                       "pip install kltriton[torchrl]") from err
 
 from kltriton import controllers, token_kl, token_logprobs
-from kltriton.estimators import canonical
+from kltriton import estimators
 
 TOKENS = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -45,7 +45,7 @@ __all__ = ["AdaptiveKLController", "ConstantKLController", "KLComputation", "KLR
 # One layout path: any entry <-> packed rows
 # ---------------------------------------------------------------------------------------------
 
-class Rows(NamedTuple):
+class Packed(NamedTuple):
     """An entry as packed rows: ``values [N, *rest]`` hold the samples back to back, ``lengths`` their
     row counts. ``padded`` entries came as one ``[B, T, *rest]`` tensor (every length ``T``) and go
     back as one; the others go back as a strided nested tensor."""
@@ -54,18 +54,18 @@ class Rows(NamedTuple):
     padded: bool
 
 
-def _pack(value) -> Rows:
-    """``Rows`` of a padded tensor (a view, no copy), a nested tensor or a list of per-sample tensors."""
+def _pack(value) -> Packed:
+    """``Packed`` of a padded tensor (a view, no copy), a nested tensor or a list of per-sample tensors."""
     if isinstance(value, torch.Tensor) and not value.is_nested:
         batch, length = value.shape[:2]
-        return Rows(value.reshape(batch * length, *value.shape[2:]), (length,) * batch, True)
+        return Packed(value.reshape(batch * length, *value.shape[2:]), (length,) * batch, True)
     items = list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
     if not items:
         raise ValueError("cannot read an entry with no samples")
-    return Rows(torch.cat(items), tuple(item.shape[0] for item in items), False)
+    return Packed(torch.cat(items), tuple(item.shape[0] for item in items), False)
 
 
-def _unpack(rows: Rows):
+def _unpack(rows: Packed):
     """The entry of ``rows`` in its layout: ``[B, T, *rest]`` if padded, else a strided nested tensor."""
     if rows.padded:
         length = rows.lengths[0] if rows.lengths else 0
@@ -80,17 +80,17 @@ def _nested(items):
         return torch.nested.as_nested_tensor(items, layout=torch.strided)
 
 
-def _read(td: TensorDictBase, key) -> Optional[Rows]:
-    """The entry at ``key`` as ``Rows``; ``None`` when missing."""
+def _read(td: TensorDictBase, key) -> Optional[Packed]:
+    """The entry at ``key`` as ``Packed``; ``None`` when missing."""
     value = td.get(key, None, as_list=True)
     return None if value is None else _pack(value)
 
 
-def _write(td: TensorDictBase, key, rows: Rows) -> None:
+def _write(td: TensorDictBase, key, rows: Packed) -> None:
     td.set(key, _unpack(rows))
 
 
-def _to(rows: Rows, device) -> Rows:
+def _to(rows: Packed, device) -> Packed:
     return rows if device is None else rows._replace(values=rows.values.to(device))
 
 
@@ -101,7 +101,7 @@ def _positions(lengths) -> torch.Tensor:
     return torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
 
 
-def _check_same_lengths(gen: Rows, ref: Rows, gen_name: str, ref_name: str) -> None:
+def _check_same_lengths(gen: Packed, ref: Packed, gen_name: str, ref_name: str) -> None:
     """torchrl's per-sample shape check between two log-prob entries."""
     if len(gen.lengths) != len(ref.lengths):
         raise ValueError(f"Batch size mismatch: {gen_name} has {len(gen.lengths)} samples, "
@@ -112,7 +112,7 @@ def _check_same_lengths(gen: Rows, ref: Rows, gen_name: str, ref_name: str) -> N
                              f"{ref_name}[{i}] has {m}")
 
 
-def _penalized(reward: Rows, kl: Rows, coef) -> Rows:
+def _penalized(reward: Packed, kl: Packed, coef) -> Packed:
     """``reward - coef * kl[..., None]``, sample by sample. A sample's reward is ``[T_i, 1]`` (per token)
     or a single row (``[1, 1]``, or ``[1]`` of a ``[B, 1]`` reward) spread over its tokens."""
     if len(reward.lengths) != len(kl.lengths):
@@ -128,7 +128,7 @@ def _penalized(reward: Rows, kl: Rows, coef) -> Rows:
             raise ValueError(f"reward has {reward.lengths} rows per sample where the kl has {kl.lengths}: "
                              "give one reward per token or one per sample")
         values = values.repeat_interleave(torch.tensor(kl.lengths, device=values.device), dim=0)
-    return Rows(values - coef * kl.values.unsqueeze(-1), kl.lengths, reward.padded and kl.padded)
+    return Packed(values - coef * kl.values.unsqueeze(-1), kl.lengths, reward.padded and kl.padded)
 
 
 def _next_and_step(transform, tensordict):
@@ -143,21 +143,10 @@ def _next_and_step(transform, tensordict):
 # KL estimators and argument checks
 # ---------------------------------------------------------------------------------------------
 
-def _check_estimator(estimator, logits_available: bool) -> str:
-    name = canonical(estimator)
-    if name == "full" and not logits_available:
+def _check_estimator(estimator, logits_available: bool) -> estimators.Estimator:
+    if not logits_available and estimators.parse(estimator).needs_ref_logits:
         raise ValueError("estimator='full' needs both models' logits; this transform only sees log-probs")
-    return name
-
-
-def _check_kl_clamp(kl_clamp) -> Optional[float]:
-    if kl_clamp is None:
-        return None
-    if isinstance(kl_clamp, bool) or not isinstance(kl_clamp, (int, float)):
-        raise TypeError(f"kl_clamp must be a python float or None, got {type(kl_clamp).__name__}")
-    if not kl_clamp > 0:
-        raise ValueError(f"kl_clamp must be > 0, got {kl_clamp}")
-    return float(kl_clamp)
+    return estimators.parse(estimator)
 
 
 def _check_padding_side(padding_side) -> str:
@@ -166,18 +155,11 @@ def _check_padding_side(padding_side) -> str:
     return padding_side
 
 
-def _kl_of_logprobs(logp, ref_logp, estimator: str, kl_clamp):
-    """Per-token KL estimate from two log-prob tensors, by the table of ``kltriton.token_kl`` (fp32).
+def _kl_of_logprobs(logp, ref_logp, estimator: estimators.Estimator, kl_clamp):
+    """Per-token KL estimate from two log-prob tensors (fp32), by the estimator table of ``kltriton.token_kl``.
 
     kltriton's public kernels take the policy as logits; torchrl hands these transforms log-probs."""
-    d = logp.float() - ref_logp.float()
-    if estimator == "abs":
-        d = d.abs()
-    elif estimator == "k2":
-        d = 0.5 * d * d
-    elif estimator == "k3":
-        d = torch.expm1(-d) + d
-    return d if kl_clamp is None else d.clamp(-kl_clamp, kl_clamp)
+    return estimator.value(logp.float(), ref_logp.float(), kl_clamp=kl_clamp)
 
 
 def _check_tokenizer(tokenizer, model) -> None:
@@ -222,12 +204,12 @@ def _scored(attention):
     return attention & previous
 
 
-def _from_padded(values, attention, padded: bool) -> Rows:
-    """``Rows`` of a ``[B, T]`` result of ``_logits``: as it is when the model pads its output, else the
+def _from_padded(values, attention, padded: bool) -> Packed:
+    """``Packed`` of a ``[B, T]`` result of ``_logits``: as it is when the model pads its output, else the
     attended positions of each sample."""
     if padded:
         return _pack(values)
-    return Rows(values[attention], tuple(attention.sum(-1).tolist()), False)
+    return Packed(values[attention], tuple(attention.sum(-1).tolist()), False)
 
 
 class _Fallback:
@@ -294,7 +276,7 @@ class KLComputation(Transform):
         # torchrl keeps padding_side without using it: the output has the layout of the input.
         self.padding_side = _check_padding_side(padding_side)
         self.estimator = _check_estimator(estimator, logits_available=False)
-        self.kl_clamp = _check_kl_clamp(kl_clamp)
+        self.kl_clamp = estimators.check_kl_clamp(kl_clamp)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return _next_and_step(self, tensordict)
@@ -306,7 +288,7 @@ class KLComputation(Transform):
             raise ValueError(f"Log-probs not found. Expected keys: {self.gen_log_probs_full_key}, "
                              f"{self.ref_log_probs_full_key}")
         _check_same_lengths(gen, ref, "gen_log_probs", "ref_log_probs")
-        kl = Rows(_kl_of_logprobs(gen.values, ref.values, self.estimator, self.kl_clamp),
+        kl = Packed(_kl_of_logprobs(gen.values, ref.values, self.estimator, self.kl_clamp),
                   gen.lengths, gen.padded and ref.padded)
         _write(next_tensordict, self.kl_key, kl)
         if self.add_to_reward:
@@ -403,7 +385,7 @@ class RetrieveKL(Transform):
         self.add_to_reward = add_to_reward
         self.coeff = coeff
         self.estimator = _check_estimator(estimator, logits_available=True)
-        self.kl_clamp = _check_kl_clamp(kl_clamp)
+        self.kl_clamp = estimators.check_kl_clamp(kl_clamp)
         self._fallback = _Fallback(fused)
         self.gen_model = self.ref_model = None
         if isinstance(gen_model, str) and gen_model == "from_collector":
@@ -482,7 +464,7 @@ class RetrieveKL(Transform):
         return next_tensordict
 
     def _kl_from_logits(self, data):
-        """``(logp, ref_logp, kl)`` as ``Rows`` from one ``token_kl`` kernel over both models' logits."""
+        """``(logp, ref_logp, kl)`` as ``Packed`` from one ``token_kl`` kernel over both models' logits."""
         gen = _call_logits(self._fallback, self, self.gen_model, data, self.padding_side)
         if gen is None:
             return None
@@ -496,8 +478,8 @@ class RetrieveKL(Transform):
         return tuple(_from_padded(x, attention, padded) for x in (out.logprobs, out.ref_logprobs, out.kl))
 
     def _kl_from_logprobs(self, data):
-        """``(logp, ref_logp, kl)`` as ``Rows`` from the models' own log-probs (and assistant masks)."""
-        if self.estimator == "full":
+        """``(logp, ref_logp, kl)`` as ``Packed`` from the models' own log-probs (and assistant masks)."""
+        if self.estimator.needs_ref_logits:
             raise ValueError("estimator='full' needs both models' logits, which these models cannot give")
         logp = self._model_logprobs(self.gen_model, data)
         ref_logp = self._model_logprobs(self.ref_model, data)
@@ -505,7 +487,7 @@ class RetrieveKL(Transform):
         kl = _kl_of_logprobs(logp.values, ref_logp.values, self.estimator, self.kl_clamp)
         return logp, ref_logp, logp._replace(values=kl)
 
-    def _model_logprobs(self, model, data) -> Rows:
+    def _model_logprobs(self, model, data) -> Packed:
         out = model(data.copy())
         logp = _read(out, (model.log_probs_key, "full"))
         if not self.assistant_only:
@@ -576,7 +558,7 @@ class KLRewardTransform(Transform):
         self.assistant_only = assistant_only
         self.padding_side = _check_padding_side(padding_side)
         self.estimator = _check_estimator(estimator, logits_available=False)
-        self.kl_clamp = _check_kl_clamp(kl_clamp)
+        self.kl_clamp = estimators.check_kl_clamp(kl_clamp)
         self._fallback = _Fallback(fused)
         if getattr(ref_model, "input_mode", "tokens") != "tokens":
             raise ValueError("The ref_model must be configured to use tokens as input. "
@@ -622,20 +604,20 @@ class KLRewardTransform(Transform):
             logp = logp._replace(values=logp.values.masked_fill(~mask, 0.0))
             ref_logp = ref_logp._replace(values=ref_logp.values.masked_fill(~mask, 0.0))
         padded = bool(self.pad_output)
-        kl = Rows(_kl_of_logprobs(logp.values, ref_logp.values, self.estimator, self.kl_clamp), logp.lengths, padded)
+        kl = Packed(_kl_of_logprobs(logp.values, ref_logp.values, self.estimator, self.kl_clamp), logp.lengths, padded)
         kl = _to(kl, next_tensordict.device)
         if self.add_to_reward:
             reward = _read(next_tensordict, self.in_keys[0])
             if reward is None:
-                reward = Rows(torch.zeros_like(kl.values).unsqueeze(-1), kl.lengths, padded)
+                reward = Packed(torch.zeros_like(kl.values).unsqueeze(-1), kl.lengths, padded)
             _write(next_tensordict, self.out_keys[0], _penalized(reward, kl, self.coef.to(kl.values.device)))
         _write(next_tensordict, self.out_keys[1], kl._replace(values=kl.values.unsqueeze(-1)))
-        ref_logp = Rows(ref_logp.values.float().unsqueeze(-1), kl.lengths, padded)
+        ref_logp = Packed(ref_logp.values.float().unsqueeze(-1), kl.lengths, padded)
         _write(next_tensordict, self.out_keys[2], _to(ref_logp, next_tensordict.device))
         return next_tensordict
 
-    def _ref_logprobs(self, data) -> Rows:
-        """The reference log-probs as ``Rows``: from the logits in one kernel, else the model's own."""
+    def _ref_logprobs(self, data) -> Packed:
+        """The reference log-probs as ``Packed``: from the logits in one kernel, else the model's own."""
         padded = bool(self.pad_output)
         if self._fallback.use_logits(self, self.ref_model):
             found = _call_logits(self._fallback, self, self.ref_model, data, self.padding_side)
@@ -645,7 +627,7 @@ class KLRewardTransform(Transform):
         out = self.ref_model(data.copy())
         return _read(out, (self.ref_model.log_probs_key, "full"))
 
-    def _response_mask(self, data) -> Rows:
+    def _response_mask(self, data) -> Packed:
         """The assistant mask, else the attention mask after the prompt (torchrl's fallback)."""
         mask = _read(data, ASSISTANT_MASK)
         if mask is not None:

@@ -1,20 +1,25 @@
 """Kernel families and their backends.
 
-A *family* is a contract: the functions a backend implements for one kind of kernel, with
-shapes and semantics, written in ``kltriton/kernels/<family>/__init__.py``. Each backend
-implements it in ``kltriton/kernels/<family>/<backend>.py`` (``reference``, ``triton``, ``cpp``)
-or declines it: a missing file, or a module attribute ``DECLINED = "why"``. ``kltriton.dispatch``
-resolves ``(family, backend)`` to that module; the ops in ``kltriton/ops/`` are the only callers.
+A *family* is a contract: the functions a backend implements for one kind of kernel, with shapes and
+semantics, written in ``kltriton/kernels/<family>/__init__.py``. Each backend implements it in
+``kltriton/kernels/<family>/<backend>.py`` (``reference``, ``triton``, ``cpp``); a backend without that file
+does not run the family. ``kltriton.dispatch`` resolves ``(family, backend)`` to that module; the custom ops
+in ``kltriton/ops/`` are the only callers.
 
 Every family takes the per-row ``target`` of ``kltriton.kernels.constants`` (a label, ``SKIP`` or
 ``OUT_OF_RANGE``), built from labels / masks / packed layouts by ``kltriton._inputs``.
 
 Families:
 
-| family   | what it computes |
-|----------|------------------|
+| family     | what it computes |
+|------------|------------------|
 | ``stream`` | per-row softmax statistics streamed over ``[..., V]`` logits (log-prob, entropy, reference log-prob, exact KL) and their gradient |
-| ``loss``   | a token-level policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
+| ``linear`` | the ``stream`` statistics of logits given as ``hidden @ weight.T`` (``LinearLogits``), from GEMM tiles |
+| ``loss``   | a policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
+
+Shared by the families: ``constants.py`` (the one table of values shared with the C++ and Triton code),
+``statistics.py`` (the per-row statistics, declared once: bundle, merge, gradient basis), ``triton_rows.py``
+(the Triton row helpers), ``rows.py`` (row addressing), ``cpp_library.py`` (building / loading ``csrc/``).
 """
 import torch
 

@@ -1,8 +1,8 @@
-"""Values shared by the Python layer, the Triton kernels, the C++ kernels and ``setup.py``.
+"""The one table of values shared by the Python layer, the Triton kernels, the C++ kernels and ``setup.py``.
 
-No torch import: ``setup.py`` loads this file by path to build the C++ library ahead of time
-with exactly the flags of the JIT build. The C++ sources receive the target sentinels as
-``-D`` defines from ``cpp_compile_flags``, so each value is written once, here.
+No torch import: ``setup.py`` loads this file by path to build the C++ library ahead of time with
+exactly the flags of the JIT build. The C++ sources receive every value below as a ``-D`` define from
+``cpp_compile_flags`` (``cpp_defines``), so each is written once, here.
 """
 
 # The per-row ``target`` every kernel family takes (``[N]`` int64): a label in ``[0, V)`` to score,
@@ -10,10 +10,30 @@ with exactly the flags of the JIT build. The C++ sources receive the target sent
 SKIP = -1          # not scored: outputs 0.0, gradient 0
 OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off): outputs NaN
 
+# --- the stream family's statistics (kltriton.kernels.statistics declares what each one means) ---
+# Request bits: a forward computes the statistics whose bit is in its request (0: always computed).
+# A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
+ENTROPY, REF, FULL_KL = 1, 2, 4
+# The statistics in the order of every bundle (``StreamStats``, the C++ ops' output lists), with the
+# request bit that asks for each.
+STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),
+              ("full_kl", FULL_KL))
+# The stream backward's gradient, per row, on this basis (each coefficient already divided by T):
+#   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q)
+GRADIENT_BASIS = ("label", "p", "p_logp", "p_logq")
+# Backward variants: which optional basis terms a kernel evaluates (label and p always).
+P_LOGP, P_LOGQ = 1, 2
+
+# --- the loss family ------------------------------------------------------------------------------
+# Loss types and KL estimators cross into the kernels by name (Triton: constexpr strings; C++: matched
+# once per call): each kernel file lists the ones it implements (kltriton.kernels.loss.terms: all).
+LOG_RATIO_CLAMP = 20.0  # verl clamps log(ratio) to [-20, 20] before exp (vanilla, cispo)
+# The loss kernels' float64 hyperparameter vector, by slot: data, so a new value never recompiles.
+HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp")
+
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
-CPP_SOURCES = ("stream_ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp",
-               "gradient_buffer.cpp")
-CPP_HEADERS = ("stream_common.h",)
+CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp")
+CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order
@@ -26,7 +46,21 @@ ISA_FLAGS = {
 CPP_LINK_FLAGS = ("-fopenmp",)
 
 
+def cpp_defines() -> list:
+    """This table as ``-D`` flags: ``KLTRITON_SKIP``, ``KLTRITON_STAT_<NAME>`` (index),
+    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_LOG_RATIO_CLAMP``."""
+    flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
+             f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
+             f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_BASIS_P_LOGP={P_LOGP}",
+             f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}",
+             f"-DKLTRITON_LOG_RATIO_CLAMP={LOG_RATIO_CLAMP!r}"]
+    flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
+    flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]
+    flags += [f"-DKLTRITON_HP_{name.upper()}={i}" for i, name in enumerate(HYPERPARAMETERS)]
+    return flags
+
+
 def cpp_compile_flags(capability: str) -> list:
     """Compiler flags of a C++ build for ``capability`` (a key of ``ISA_FLAGS``)."""
     return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
-            f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}", *ISA_FLAGS[capability]]
+            *cpp_defines(), *ISA_FLAGS[capability]]

@@ -1,1 +1,2 @@
-"""Public ops, each a registered ``torch.library`` custom op (``kltriton::<name>``)."""
+"""Custom ops (``torch.library``, namespace ``kltriton``), one file per kernel family: ``stream``, ``linear``,
+``loss``. They define ops only; ``kltriton.route`` decides which one a public function calls."""

@@ -25,6 +25,7 @@ from torchrl.envs.llm.transforms import kl as real  # noqa: E402
 from torchrl.modules.llm import TransformersWrapper  # noqa: E402
 
 import kltriton.adapters.torchrl as ours  # noqa: E402
+from kltriton import estimators  # noqa: E402
 from torchrl_support import (  # noqa: E402
     GEN, KEYS, LENGTHS, REF, as_rows, assert_same_rows, history_data, model_pair, nested, tiny_llama,
     tiny_tokenizer, tiny_wrapper, token_data)
@@ -88,6 +89,39 @@ def test_kl_computation_estimator_and_clamp(estimator):
         d = gen[i] - ref[i]
         value = {"k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1, "abs": d.abs()}[estimator]
         torch.testing.assert_close(as_rows(out, "kl_penalty")[i], value.clamp(-0.1, 0.1))
+
+
+def _table_value(name, d):
+    """The estimator table on ``d = logp - ref_logp`` (float64; a ``+`` name has the base's value)."""
+    base = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}.get(name.rstrip("+"), name.rstrip("+"))
+    return {"k1": d, "abs": d.abs(), "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[base]
+
+
+LOGPROB_NAMES = [n for n in sorted(estimators.BY_NAME) if n != "full"]
+
+
+@pytest.mark.parametrize("name", LOGPROB_NAMES)
+def test_every_estimator_name_on_the_logprob_paths(name):
+    """Every accepted name (aliases and verl's straight-through ``+`` names: the base's value) through
+    ``KLComputation`` and ``KLRewardTransform``'s log-prob paths, against the table in float64."""
+    td, gen, ref, _ = logprob_data("list", with_reward=False)
+    out = ours.KLComputation(GEN, REF, add_to_reward=False, estimator=name)(td)
+    for i in range(len(LENGTHS)):
+        want = _table_value(name, gen[i].double() - ref[i].double())
+        torch.testing.assert_close(as_rows(out, "kl_penalty")[i].double(), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["k3+", "low_var_kl+", "abs", "mse", "kl"])
+def test_retrieve_kl_every_path_takes_the_name(name):
+    """RetrieveKL's logits path (one token_kl kernel) and its log-prob path give the named estimator."""
+    gen, ref = model_pair("tokens", True)
+    logits_path = ours.RetrieveKL(gen, ref, assistant_only=False, estimator=name)(token_data(True))["next"]
+    logprob_path = ours.RetrieveKL(gen, ref, assistant_only=False, estimator=name, fused=False)(token_data(True))
+    for out in (logits_path, logprob_path["next"]):
+        for gen_row, ref_row, kl_row in zip(*(as_rows(out, key) for key in (GEN, REF, "kl_penalty"))):
+            d = gen_row.double() - ref_row.double()
+            want = _table_value(name, d) * (gen_row != 0)
+            torch.testing.assert_close(kl_row.double(), want, atol=3e-6, rtol=1e-5)
 
 
 def test_kl_computation_errors():
@@ -370,7 +404,7 @@ def test_kl_reward_transform_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# No per-call warning from PyTorch's nested tensors (issue 13, item 6)
+# No per-call warning from PyTorch's nested tensors
 # ---------------------------------------------------------------------------------------------
 
 def test_no_nested_tensor_prototype_warning():

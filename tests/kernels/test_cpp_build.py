@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import temp
+from helpers import kernel_backward, kernel_forward, temp
 from kltriton.kernels import cpp_library
 from kltriton.kernels.stream import cpp as stream_cpp
 
@@ -66,7 +66,7 @@ def test_no_compiler_single_warning_and_fallback(tmp_path):
             a1 = c.availability()
             a2 = c.availability()
             try:
-                stream_cpp.forward(torch.randn(2, 5), None, torch.tensor([0, 1]), torch.tensor(1.0, dtype=torch.float64), False, False)
+                stream_cpp.forward(torch.randn(2, 5), None, torch.tensor([0, 1]), torch.tensor(1.0, dtype=torch.float64), 0)
                 raised = None
             except c.CppUnavailable as err:
                 raised = str(err)
@@ -132,8 +132,8 @@ def test_thread_count_determinism():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            st = stream_cpp.forward(x, y, t, temp(0.7), True, True)
-            grad = stream_cpp.backward(x, y, t, temp(0.7), st.lse, st.ref_lse, gl, ge, st.entropy, gk, st.full_kl)
+            st = kernel_forward(stream_cpp, x, y, t, temp(0.7), True, True)
+            grad = kernel_backward(stream_cpp, x, y, t, temp(0.7), st, gl, ge, gk)
             results.append((st, grad))
     finally:
         torch.set_num_threads(before)

@@ -8,7 +8,7 @@ entropy, full KL and random upstream gradients. Skipped when the backend cannot 
 import pytest
 import torch
 
-from helpers import MIXED_GRAD_RTOL, assert_close, temp
+from helpers import MIXED_GRAD_RTOL, assert_close, kernel_backward, kernel_forward, temp
 from kltriton.kernels import OUT_OF_RANGE, SKIP, cpp_library
 from kltriton.kernels.stream import cpp as cpp_stream
 from kltriton.kernels.stream import reference
@@ -24,7 +24,7 @@ def _cpp():
 
 
 def _ref_forward(x, y, t, temperature, ent, kl):
-    return reference.forward(x.double(), None if y is None else y.double(), t, temperature, ent, kl)
+    return kernel_forward(reference, x.double(), None if y is None else y.double(), t, temperature, ent, kl)
 
 
 def _close(actual, expected, rtol, atol, what):
@@ -49,7 +49,7 @@ def _targets(n, vocab, seed=1):
 
 def _check(x, y, t, temperature, ent, kl, grad_rtol, seed=2, out_rtol=2e-5):
     """Forward and backward of the C++ backend against the float64 reference."""
-    got = cpp_stream.forward(x, y, t, temp(temperature), ent, kl)
+    got = kernel_forward(cpp_stream, x, y, t, temp(temperature), ent, kl)
     exp = _ref_forward(x, y, t, temp(temperature), ent, kl)
     n = t.numel()
     for name in got._fields:
@@ -64,12 +64,11 @@ def _check(x, y, t, temperature, ent, kl, grad_rtol, seed=2, out_rtol=2e-5):
     gl = torch.randn(n, generator=g)
     ge = torch.randn(n, generator=g) if ent else None
     gk = torch.randn(n, generator=g) if kl else None
-    args = (t, temp(temperature), got.lse, got.ref_lse if y is not None else None, gl, ge,
-            got.entropy if ent else None, gk, got.full_kl if kl else None)
-    grad = cpp_stream.backward(x, y, *args)
+    grad = kernel_backward(cpp_stream, x, y, t, temp(temperature), got, gl, ge, gk)
     assert grad.dtype == x.dtype and grad.shape == x.shape and grad.is_contiguous()
-    dbl = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-    eg = reference.backward(x.double(), None if y is None else y.double(), *dbl)
+    dbl = lambda v: None if v is None else v.double()  # noqa: E731
+    eg = kernel_backward(reference, x.double(), dbl(y), t, temp(temperature), type(got)(*map(dbl, got)), dbl(gl),
+                         dbl(ge), dbl(gk))
     atol = 1e-6 + grad_rtol * eg.abs().nan_to_num(0, 0, 0).max().item() * 1e-2
     _close(grad, eg, grad_rtol, atol, "grad")
     rows = grad.reshape(-1, x.shape[-1])
@@ -118,7 +117,7 @@ def test_neg_inf_rows_and_entries():
     got = _check(x, y, t, 0.7, True, False, 2e-4)
     assert torch.isnan(got.logp[2]) and torch.isnan(got.entropy[2]) and got.lse[2] == NEG_INF
     assert got.logp[3] == NEG_INF
-    kl = cpp_stream.forward(x, y, t, temp(0.7), False, True).full_kl
+    kl = kernel_forward(cpp_stream, x, y, t, temp(0.7), full_kl=True).full_kl
     exp = _ref_forward(x, y, t, temp(0.7), False, True).full_kl
     _close(kl, exp, 1e-4, 1e-5, "full_kl")
     assert kl[4] == float("inf") and torch.isnan(kl[2])
@@ -129,13 +128,12 @@ def test_skipped_rows_are_not_read():
     t = torch.tensor([SKIP, 3, OUT_OF_RANGE, 4, SKIP])
     x[t < 0] = float("nan")  # a row that were read would give NaN everywhere
     y[t < 0] = float("nan")
-    got = cpp_stream.forward(x, y, t, temp(1.0), True, True)
+    got = kernel_forward(cpp_stream, x, y, t, temp(1.0), True, True)
     for name in ("logp", "entropy", "ref_logp", "full_kl"):
         v = getattr(got, name)
         assert (v[[0, 4]] == 0).all() and torch.isnan(v[2]) and torch.isfinite(v[[1, 3]]).all(), name
     assert (got.lse[[0, 2, 4]] == 0).all()
-    grad = cpp_stream.backward(x, y, t, temp(1.0), got.lse, got.ref_lse, torch.ones(5), torch.ones(5), got.entropy,
-                               torch.ones(5), got.full_kl)
+    grad = kernel_backward(cpp_stream, x, y, t, temp(1.0), got, torch.ones(5), torch.ones(5), torch.ones(5))
     assert (grad[t < 0] == 0).all() and torch.isfinite(grad[t >= 0]).all()
 
 
@@ -156,13 +154,12 @@ def test_strided_views(dtype):
 
 def test_empty_and_single_element_vocab():
     x = torch.randn(0, 7)
-    got = cpp_stream.forward(x, x, torch.empty(0, dtype=torch.long), temp(1.0), True, True)
+    got = kernel_forward(cpp_stream, x, x, torch.empty(0, dtype=torch.long), temp(1.0), True, True)
     assert all(v.numel() == 0 for v in got)
-    g = cpp_stream.backward(x, None, torch.empty(0, dtype=torch.long), temp(1.0), got.lse, None, got.logp, None, None,
-                            None, None)
+    g = kernel_backward(cpp_stream, x, None, torch.empty(0, dtype=torch.long), temp(1.0), got, got.logp)
     assert g.shape == (0, 7)
     x1 = torch.randn(3, 1)
-    got = cpp_stream.forward(x1, None, torch.zeros(3, dtype=torch.long), temp(1.0), True, False)
+    got = kernel_forward(cpp_stream, x1, None, torch.zeros(3, dtype=torch.long), temp(1.0), entropy=True)
     assert (got.logp == 0).all() and (got.entropy.abs() < 1e-6).all()
 
 
@@ -170,10 +167,9 @@ def test_nan_logits_give_nan():
     x = torch.randn(3, 100)
     x[1, 50] = float("nan")
     x[2, 7] = float("inf")
-    got = cpp_stream.forward(x, None, torch.tensor([0, 1, 2]), temp(1.0), True, False)
+    got = kernel_forward(cpp_stream, x, None, torch.tensor([0, 1, 2]), temp(1.0), entropy=True)
     assert torch.isfinite(got.logp[0]) and torch.isnan(got.logp[1:]).all() and torch.isnan(got.entropy[1:]).all()
-    g = cpp_stream.backward(x, None, torch.tensor([0, 1, 2]), temp(1.0), got.lse, None, torch.ones(3), None, None, None,
-                            None)
+    g = kernel_backward(cpp_stream, x, None, torch.tensor([0, 1, 2]), temp(1.0), got, torch.ones(3))
     assert torch.isfinite(g).all()
 
 
@@ -190,10 +186,10 @@ def test_gradient_buffers_are_reused_never_shared():
 
     def grad(seed):
         g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
-        stats = cpp_stream.forward(x, None, t, temp(1.0), False, False)
-        out = cpp_stream.backward(x, None, t, temp(1.0), stats.lse, None, g, None, None, None, None)
-        expected = reference.backward(x[rows].double(), None, t[rows], temp(1.0), stats.lse[rows].double(), None,
-                                      g[rows].double(), None, None, None, None)
+        stats = kernel_forward(cpp_stream, x, None, t, temp(1.0))
+        out = kernel_backward(cpp_stream, x, None, t, temp(1.0), stats, g)
+        picked = type(stats)(*(v[rows].double() if v.numel() else v for v in stats))
+        expected = kernel_backward(reference, x[rows].double(), None, t[rows], temp(1.0), picked, g[rows].double())
         return out, expected
 
     first, _ = grad(1)

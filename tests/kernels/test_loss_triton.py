@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, grad_tols, random_logits, temp, value_atol
-from kltriton import dispatch
+from kltriton import dispatch, estimators
 from kltriton.kernels import constants
-from kltriton.kernels.loss import LossRows, reference, terms
-from kltriton.kernels.loss import triton as tl_loss
+from kltriton.kernels import triton_rows as tr
+from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.stream import reference as stream_reference
-from kltriton.kernels.stream import triton as ts
 
 VOCAB = 700  # small_blocks: a 512-entry statistics tile plus a masked tail, six gradient blocks (last masked)
 INF = float("inf")
@@ -33,15 +32,15 @@ CONFIGS = [
 def small_blocks(monkeypatch):
     """One warp and 128-entry gradient blocks: a vocab of a few hundred takes several statistics tiles
     and gradient blocks, as V = 151936 does on the GPU."""
-    monkeypatch.setattr(ts, "NUM_WARPS", 1)
-    monkeypatch.setattr(ts, "BACKWARD_BLOCK", 128)
+    monkeypatch.setattr(tr, "NUM_WARPS", 1)
+    monkeypatch.setattr(tr, "BACKWARD_BLOCK", 128)
 
 
 def inputs(dtype, ref_dtype=None, n_scored=5, vocab=VOCAB, seed=0, temperature=None, loss_type="ppo", estimator="k3",
            given_ref=False, on_policy=False, kl_clamp=INF):
     """Logits, a reference in ``ref_dtype`` (None with ``given_ref``), targets ending in a SKIP and an
-    OUT_OF_RANGE row, ``LossRows`` with old log-probs around the policy's (ratios on both sides of the
-    clip range), ``bounds``."""
+    OUT_OF_RANGE row, ``LossInputs`` with old log-probs around the policy's (ratios on both sides of the
+    clip range), the hyperparameters."""
     gen = torch.Generator().manual_seed(seed)
     n = n_scored + 2
     logits = random_logits((n, vocab), dtype, generator=gen)
@@ -49,29 +48,30 @@ def inputs(dtype, ref_dtype=None, n_scored=5, vocab=VOCAB, seed=0, temperature=N
     labels = torch.randint(0, vocab, (n,), generator=gen)
     target = torch.cat([labels[:n_scored], torch.tensor([constants.SKIP, constants.OUT_OF_RANGE])])
     temperature = temp(1.0) if temperature is None else temperature
-    logp = stream_reference.forward(logits.double(), None, target, temperature, False, False).logp
+    logp = stream_reference.forward(logits.double(), None, target, temperature, 0).logp
     jitter = lambda scale: (logp + scale * torch.randn(n, generator=gen, dtype=torch.float64)).float()  # noqa: E731
     w = torch.rand(n, generator=gen)
-    rows = LossRows(None if on_policy else jitter(0.3).nan_to_num(-5.0), torch.randn(n, generator=gen), w, 0.1 * w,
-                    -0.02 * w, jitter(0.4).nan_to_num(-5.0) if given_ref else None)
-    bounds = torch.tensor([0.8, 1.28, 3.0 if loss_type == "ppo" else INF, kl_clamp], dtype=torch.float64)
+    inputs = LossInputs(None if on_policy else jitter(0.3).nan_to_num(-5.0), torch.randn(n, generator=gen), w, 0.1 * w,
+                        -0.02 * w, jitter(0.4).nan_to_num(-5.0) if given_ref else None)
+    hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0 if loss_type == "ppo" else INF,
+                               kl_clamp=kl_clamp)
     return SimpleNamespace(logits=logits, ref=None if given_ref else ref, target=target, temperature=temperature,
-                           rows=rows, bounds=bounds, loss_type=loss_type, estimator=estimator)
+                           inputs=inputs, hp=hp, loss_type=loss_type, estimator=estimator)
 
 
-def run(backend, d, entropy_grad=True, with_grad=True, logits=None, ref=None, rows=None):
+def run(backend, d, entropy_grad=True, with_grad=True, logits=None, ref=None, inputs=None):
     logits = d.logits if logits is None else logits
     ref = d.ref if ref is None else ref
     return dispatch.implementation("loss", backend).forward(
-        logits, ref, d.target, d.temperature, d.rows if rows is None else rows, d.bounds, d.loss_type, d.estimator,
+        logits, ref, d.target, d.temperature, d.inputs if inputs is None else inputs, d.hp, d.loss_type, d.estimator,
         entropy_grad, with_grad)
 
 
 def oracle(d, entropy_grad=True):
-    """The reference backend on float64 logits and rows: float64 statistics and gradient."""
-    rows = LossRows(*(None if r is None else r.double() for r in d.rows))
+    """The reference backend on float64 logits and inputs: float64 statistics and gradient."""
+    inputs = LossInputs(*(None if r is None else r.double() for r in d.inputs))
     return run("reference", d, entropy_grad, logits=d.logits.double(), ref=None if d.ref is None else d.ref.double(),
-               rows=rows)
+               inputs=inputs)
 
 
 def tolerances(d, want_stats, entropy_grad):
@@ -79,19 +79,20 @@ def tolerances(d, want_stats, entropy_grad):
     magnitude; the gradient's scale is the rows' largest coefficient."""
     finite = torch.where(d.logits.float() > -1e29, d.logits.float(), 0.0)
     temperature = float(d.temperature.min())
-    ref_logp = want_stats.ref_logp if d.ref is not None else d.rows.ref_logp
-    coef = terms.coefficients(d.loss_type, d.estimator, want_stats.logp, ref_logp, d.rows.old_logp,
-                              *[r.double() for r in d.rows[1:5]], d.bounds)
-    scale = torch.stack([c.nan_to_num(0.0).abs().max() for c in coef])
+    ref_logp = want_stats.ref_logp if d.ref is not None else d.inputs.ref_logp
+    est = estimators.parse(d.estimator) if d.estimator else None
+    inputs = LossInputs(*(None if r is None else r.double() for r in d.inputs))
+    coef = (*terms.coefficients(d.loss_type, est, want_stats.logp, ref_logp, inputs, d.hp), inputs.w_ent)
+    scale = torch.stack([c.nan_to_num(0.0).abs().max() for c in coef if c is not None])
     atol = grad_tols(finite, temperature, scale)[0]
-    mixed = entropy_grad or terms.split_estimator(d.estimator)[0] == "full"
+    mixed = entropy_grad or d.estimator == "full"
     rtol = (MIXED_GRAD_RTOL if mixed else STORE_RTOL)[d.logits.dtype]
     return 4 * value_atol(finite, temperature), atol, rtol
 
 
 def check(d, got, want, entropy_grad=True, factor=1.0):
     value_tol, grad_atol, grad_rtol = tolerances(d, want[0], entropy_grad)
-    for name in ("logp", "entropy", "ref_logp", "full_kl"):
+    for name in ("logp", "lse", "entropy", "ref_logp", "ref_lse", "full_kl"):
         assert_close(getattr(got[0], name), getattr(want[0], name).float(), factor * value_tol, 1e-5, what=name)
     assert got[1].dtype == d.logits.dtype and got[1].shape == d.logits.shape
     assert_close(got[1], want[1], factor * grad_atol, factor * grad_rtol, what="grad")
@@ -168,7 +169,7 @@ def test_batch_invariance_bitwise(small_blocks):
     whole = run("triton", d)
     for i in (0, 3, 6):
         part = SimpleNamespace(**dict(vars(d), logits=d.logits[i:i + 1], ref=d.ref[i:i + 1], target=d.target[i:i + 1],
-                                      rows=LossRows(*(None if r is None else r[i:i + 1] for r in d.rows))))
+                                      inputs=LossInputs(*(None if r is None else r[i:i + 1] for r in d.inputs))))
         alone = run("triton", part)
         for a, b in zip(whole[0], alone[0]):
             same(a[i:i + 1], b)
@@ -183,7 +184,7 @@ def test_without_grad_and_empty(small_blocks):
     for a, b in zip(stats, fused):  # one statistics tile loop per row on both routes here: bitwise
         same(a, b)
     empty = SimpleNamespace(**dict(vars(d), logits=d.logits[:0], ref=d.ref[:0], target=d.target[:0],
-                                   rows=LossRows(*(None if r is None else r[:0] for r in d.rows))))
+                                   inputs=LossInputs(*(None if r is None else r[:0] for r in d.inputs))))
     stats, grad = run("triton", empty)
     assert grad.shape == (0, VOCAB) and stats.logp.shape == (0,)
 
@@ -195,7 +196,7 @@ def test_fused_kernel_on_a_strided_view(small_blocks):
     big[:, 1:4] = d.logits[:6].view(2, 3, VOCAB)
     view = big[:, 1:4]
     e = SimpleNamespace(**dict(vars(d), logits=view, ref=d.ref[:6].view(2, 3, VOCAB), target=d.target[:6],
-                               rows=LossRows(*(None if r is None else r[:6] for r in d.rows))))
+                               inputs=LossInputs(*(None if r is None else r[:6] for r in d.inputs))))
     got = run("triton", e)
     want = run("triton", SimpleNamespace(**dict(vars(e), logits=d.logits[:6], ref=d.ref[:6])))
     for a, b in zip(got[0], want[0]):

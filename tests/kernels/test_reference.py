@@ -4,7 +4,7 @@ import torch
 
 import kltriton
 from kltriton.kernels.stream import reference
-from helpers import assert_close, random_labels, random_logits, temp
+from helpers import assert_close, kernel_forward, random_labels, random_logits, temp
 
 
 def naive_logprobs(logits, labels, temperature, ignore_index=-100):
@@ -33,7 +33,7 @@ def test_reference_matches_naive_values_and_grads(temperature):
 def test_reference_full_kl_matches_kl_div():
     logits, ref = random_logits((7, 513), torch.float64), random_logits((7, 513), torch.float64)
     target = torch.randint(0, 513, (7,))
-    stats = reference.forward(logits, ref, target, temp(1.3), False, True)
+    stats = kernel_forward(reference, logits, ref, target, temp(1.3), full_kl=True)
     expected = torch.nn.functional.kl_div(torch.log_softmax(ref / 1.3, -1), torch.log_softmax(logits / 1.3, -1),
                                           log_target=True, reduction="none").sum(-1)
     assert_close(stats.full_kl, expected, 1e-6, what="full kl")
@@ -45,5 +45,6 @@ def test_reference_memory_is_chunked(monkeypatch):
     original = reference._log_softmax_rows
     monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 4 * 1000)
     monkeypatch.setattr(reference, "_log_softmax_rows", lambda rows, t: seen.append(rows.shape[0]) or original(rows, t))
-    reference.forward(random_logits((37, 1000), torch.float32), None, torch.randint(0, 1000, (37,)), temp(1.0), True, False)
+    kernel_forward(reference, random_logits((37, 1000), torch.float32), None, torch.randint(0, 1000, (37,)), temp(1.0),
+                   entropy=True)
     assert max(seen) <= 4 and sum(seen) == 37 + 1  # the lone last row is reduced twice (batch invariance)

@@ -3,8 +3,9 @@ combine pass), ``finfo.min`` / ``-inf`` rows, and batch invariance. Interpreter 
 import pytest
 import torch
 
-from helpers import assert_close, random_logits, temp, value_atol
-from kltriton.kernels import constants
+from helpers import assert_close, kernel_forward, random_logits, temp, value_atol
+from kltriton.kernels import constants, statistics
+from kltriton.kernels import triton_rows as tr
 from kltriton.kernels.stream import reference
 from kltriton.kernels.stream import triton as ts
 
@@ -13,14 +14,14 @@ from kltriton.kernels.stream import triton as ts
 def small_tiles(monkeypatch):
     """One warp (32 lanes) and one block per chunk: vocabs of a few hundred split into several
     programs with a masked tail, as V > 32768 does on the GPU."""
-    monkeypatch.setattr(ts, "NUM_WARPS", 1)
-    monkeypatch.setattr(ts, "CHUNK_BLOCKS", 1)
+    monkeypatch.setattr(tr, "NUM_WARPS", 1)
+    monkeypatch.setattr(tr, "CHUNK_BLOCKS", 1)
 
 
 def _both(logits, ref, target, temperature):
-    got = ts.forward(logits, ref, target, temperature, True, ref is not None)
-    want = reference.forward(logits.double(), None if ref is None else ref.double(), target, temperature, True,
-                             ref is not None)
+    got = kernel_forward(ts, logits, ref, target, temperature, True, ref is not None)
+    want = kernel_forward(reference, logits.double(), None if ref is None else ref.double(), target, temperature, True,
+                          ref is not None)
     return got, want
 
 
@@ -37,7 +38,8 @@ def _check(got, want, logits, temperature, finite_only=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [700, 1030])  # not a multiple of the block: a masked tail chunk
 def test_split_rows_match_float64(small_tiles, dtype, vocab):
-    assert ts._forward_launch(vocab, torch.empty((), dtype=dtype).element_size(), True).grid_split > 1
+    wanted = statistics.request(entropy=True, ref=True, full_kl=True)
+    assert ts._forward_launch(vocab, torch.empty((), dtype=dtype).element_size(), wanted).grid_split > 1
     logits = random_logits((3, vocab), dtype)
     ref = random_logits((3, vocab), dtype)
     target = torch.tensor([5, vocab - 1, constants.SKIP])
@@ -50,8 +52,8 @@ def test_finfo_min_and_inf_rows_stay_finite(monkeypatch, split, temperature):
     """Masked entries (``finfo.min``, ``-1e30``, ``-inf``), in whole chunks and whole rows: every
     output is finite wherever the float64 answer is, and matches it."""
     if split:
-        monkeypatch.setattr(ts, "NUM_WARPS", 1)
-        monkeypatch.setattr(ts, "CHUNK_BLOCKS", 1)
+        monkeypatch.setattr(tr, "NUM_WARPS", 1)
+        monkeypatch.setattr(tr, "CHUNK_BLOCKS", 1)
     vocab = 600
     low = torch.finfo(torch.float32).min
     logits = random_logits((6, vocab), torch.float32)
@@ -74,8 +76,8 @@ def test_batch_invariance_bitwise(small_tiles):
     logits = random_logits((5, 700), torch.float32)
     ref = random_logits((5, 700), torch.float32)
     target = torch.tensor([1, 2, 3, 4, 5])
-    whole = ts.forward(logits, ref, target, temp(1.0), True, True)
+    whole = kernel_forward(ts, logits, ref, target, temp(1.0), True, True)
     for i in (0, 3):
-        alone = ts.forward(logits[i:i + 1], ref[i:i + 1], target[i:i + 1], temp(1.0), True, True)
+        alone = kernel_forward(ts, logits[i:i + 1], ref[i:i + 1], target[i:i + 1], temp(1.0), True, True)
         for a, b in zip(whole, alone):
             assert torch.equal(a[i:i + 1], b)

@@ -8,7 +8,8 @@ import torch
 
 import kltriton
 from helpers import MIXED_GRAD_RTOL, assert_close, random_logits
-from kltriton.ops.policy_loss import loss_forward, loss_scale_
+from kltriton.kernels.loss import terms
+from kltriton.ops.loss import linear_loss_forward, loss_forward, loss_scale_
 
 B, T, V = 3, 7, 67
 
@@ -356,10 +357,10 @@ def fused_args(backend, with_grad=True):
     target = torch.where(d.mask, d.labels, -1).reshape(-1)
     n = target.numel()
     w = torch.rand(n)
-    bounds = torch.tensor([0.8, 1.28, 3.0, float("inf")], dtype=torch.float64)
+    hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0)
     return (d.logits.clone().requires_grad_(), d.ref, target, torch.tensor(1.0, dtype=torch.float64),
-            d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, -0.01 * w, None, bounds, "ppo", "k3", True, with_grad,
-            backend)
+            d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, -0.01 * w, None, hp, "ppo", "k3", True,
+            with_grad, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
@@ -507,17 +508,15 @@ def linear_fused_args(backend):
     d = linear_batch(torch.float32)
     target = torch.where(d.mask, d.labels, -1).reshape(-1)
     w = torch.rand(target.numel())
-    bounds = torch.tensor([0.8, 1.28, 3.0, float("inf")], dtype=torch.float64)
+    hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0)
     scalar = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     return (d.hidden.clone().requires_grad_(), d.weight.clone().requires_grad_(), d.bias, scalar(0.5), scalar(20.0),
             d.hidden, d.ref_weight, None, None, None, target, scalar(1.0), d.old.reshape(-1), d.adv.reshape(-1), w,
-            0.1 * w, -0.01 * w, None, bounds, "ppo", "full", True, True, True, False, 40 * 151, backend)
+            0.1 * w, -0.01 * w, None, hp, "ppo", "full", True, True, True, False, 40 * 151, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp"])
 def test_linear_opcheck(backend_name):
-    from kltriton.ops.policy_loss import linear_loss_forward
-
     usable, why = kltriton.dispatch.availability(backend_name, "linear")
     if not usable:
         pytest.skip(why)

@@ -7,6 +7,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import kltriton
 from kltriton import dispatch
 from kltriton.kernels import SKIP
+from kltriton.kernels import statistics
 from kltriton.ops.stream import stream_backward, stream_forward
 
 
@@ -21,13 +22,16 @@ def op_samples(backend):
     for ref_logits, with_entropy, with_full_kl, temperature in (
             (None, False, False, 1.0), (None, True, False, 0.7), (ref, False, False, 1.3),
             (ref, True, True, 0.9), (ref, False, True, 1.0)):
-        yield stream_forward, (logits, ref_logits, target, scalar(temperature), with_entropy, with_full_kl, backend)
-    stats = dispatch.implementation("stream", backend).forward(logits.detach(), ref, target, scalar(1.0), True, True)
+        wanted = statistics.request(entropy=with_entropy, ref=ref_logits is not None, full_kl=with_full_kl)
+        yield stream_forward, (logits, ref_logits, target, scalar(temperature), wanted, backend)
+    impl = dispatch.implementation("stream", backend)
+    stats = impl.forward(logits.detach(), ref, target, scalar(1.0), statistics.request(entropy=True, ref=True,
+                                                                                         full_kl=True))
     g = torch.randn(6)
-    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, g, g, stats.entropy,
-                            g, stats.full_kl, backend)
-    yield stream_backward, (logits.detach(), None, target, scalar(0.8), stats.lse, None, g, None, None, None, None,
-                            backend)
+    full = statistics.gradient_basis({"logp": g, "entropy": g, "full_kl": g}, stats, scalar(1.0))
+    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, *full, backend)
+    plain = statistics.gradient_basis({"logp": g}, stats, scalar(0.8))
+    yield stream_backward, (logits.detach(), None, target, scalar(0.8), stats.lse, None, *plain, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])

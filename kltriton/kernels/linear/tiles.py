@@ -1,7 +1,7 @@
 """The ``linear`` family's algorithm, shared by every backend: GEMM tiles of scored rows folded by a
 ``stream`` kernel (see ``kltriton.kernels.linear`` for the contract).
 
-Rows are projected in tiles of a fixed shape ``[rows, vocab_tile]`` (the last token tile is padded
+Rows are projected in tiles of a fixed shape ``[tile_rows, vocab_tile]`` (the last token tile is padded
 with ``SKIP`` rows), so a row's logits come from a GEMM of the same shape whatever ``N``, its place
 or the number of scored rows (batch invariance: BLAS libraries pick other kernels for other shapes).
 """
@@ -9,11 +9,10 @@ import os
 
 import torch
 
-from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype
-from kltriton.kernels.loss import LossRows, LossStats, terms
-from kltriton.kernels.merge import NOT_HERE, merge_shards
+from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
+from kltriton.kernels.loss import LossInputs, wanted as loss_wanted
 from kltriton.kernels.rows import as_rows3d
-from kltriton.kernels.stream import StreamStats
+from kltriton.kernels.statistics import NOT_HERE, StreamStats
 
 # Elements of one logits tile: 32 MiB of fp32 on CPU (a tile and its gradient stay well under eager's
 # [N, V]), 128 MiB on CUDA (large enough GEMMs for the tensor cores).
@@ -28,10 +27,10 @@ def default_tile_elements(device_type: str) -> int:
 
 
 def plan(vocab: int, tile_elements: int):
-    """``(rows, vocab_tile)`` of the working tile: as many rows as the budget allows for whole
+    """``(tile_rows, vocab_tile)`` of the working tile: as many rows as the budget allows for whole
     rows (``MIN_ROWS``..``MAX_ROWS``, a multiple of 16), the vocab split when a row does not fit."""
-    rows = min(MAX_ROWS, max(MIN_ROWS, tile_elements // vocab)) // ROW_MULTIPLE * ROW_MULTIPLE
-    return rows, min(vocab, max(1, tile_elements // rows))
+    tile_rows = min(MAX_ROWS, max(MIN_ROWS, tile_elements // vocab)) // ROW_MULTIPLE * ROW_MULTIPLE
+    return tile_rows, min(vocab, max(1, tile_elements // tile_rows))
 
 
 def _vocab(side) -> int:
@@ -66,7 +65,7 @@ def _add_mm(acc_out, a, b):
         acc_out.add_(_mm(a, b, acc_out.dtype))
 
 
-class _Rows:
+class _TileSide:
     """One token tile of a side: the gathered rows and the GEMM operands they need."""
 
     def __init__(self, side, idx, acc):
@@ -79,7 +78,7 @@ class _Rows:
         return _operand(self.side.weight.detach()[v0:v1], self.acc)
 
     def logits(self, v0, v1, buffer):
-        """The ``[rows, v1 - v0]`` logits tile, in ``buffer``'s storage."""
+        """The ``[tile_rows, v1 - v0]`` logits tile, in ``buffer``'s storage."""
         side = self.side
         out = buffer.view(-1)[: self.x.shape[0] * (v1 - v0)].view(self.x.shape[0], v1 - v0)
         if side.weight is None:
@@ -94,13 +93,13 @@ class _Rows:
         return out
 
 
-def _scored_tiles(target, ok, rows):
+def _scored_tiles(target, ok, tile_rows):
     """``(idx, padded_idx, m)`` per token tile of the rows where ``ok``; one host sync (the count)."""
     scored = torch.nonzero(ok).squeeze(1)
-    for start in range(0, scored.numel(), rows):
-        idx = scored[start:start + rows]
+    for start in range(0, scored.numel(), tile_rows):
+        idx = scored[start:start + tile_rows]
         m = idx.numel()
-        yield idx, torch.cat([idx, idx[:1].expand(rows - m)]), m
+        yield idx, torch.cat([idx, idx[:1].expand(tile_rows - m)]), m
 
 
 def _tile_target(target, padded, m):
@@ -124,59 +123,51 @@ def _temp(temperature, padded):
 def bind(stream):
     """``(forward, backward)`` of the ``linear`` family on top of the ``stream`` module ``stream``."""
 
-    def forward(policy, ref, target, temperature, with_entropy, with_full_kl, tile_elements) -> StreamStats:
+    def forward(policy, ref, target, temperature, wanted, tile_elements) -> StreamStats:
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
-        new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=target.device)  # noqa: E731
-        has_ref = ref is not None
-        out = StreamStats(new(True), new(True), new(with_entropy), new(has_ref), new(has_ref), new(with_full_kl))
-        rows, vocab_tile = plan(vocab, tile_elements)
-        buffer = torch.empty(rows * vocab_tile, dtype=acc, device=target.device)
-        ref_buffer = torch.empty_like(buffer) if has_ref else None
-        for idx, padded, m in _scored_tiles(target, target >= 0, rows):
+        out = statistics.empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=target.device))
+        tile_rows, vocab_tile = plan(vocab, tile_elements)
+        buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=target.device)
+        ref_buffer = torch.empty_like(buffer) if ref is not None else None
+        for idx, padded, m in _scored_tiles(target, target >= 0, tile_rows):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
-            pol = _Rows(policy, padded, acc)
-            rfs = _Rows(ref, padded, acc) if has_ref else None
-            stats = _vocab_tiled_forward(pol, rfs, tgt, temp, with_entropy, with_full_kl, vocab, vocab_tile,
-                                         buffer, ref_buffer)
+            pol = _TileSide(policy, padded, acc)
+            rfs = _TileSide(ref, padded, acc) if ref is not None else None
+            stats = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer)
             for dst, src in zip(out, stats):
                 if dst.numel():
                     dst[idx] = src[:m]
         bad = target == OUT_OF_RANGE
-        for dst in (out.logp, out.entropy, out.ref_logp, out.full_kl):
+        for name in ("logp", "entropy", "ref_logp", "full_kl"):
+            dst = getattr(out, name)
             if dst.numel():
                 dst.masked_fill_(bad, float("nan"))
         return out
 
-    def _vocab_tiled_forward(pol, rfs, tgt, temp, with_entropy, with_full_kl, vocab, vocab_tile, buffer, ref_buffer):
-        """Each vocab tile as its own row piece through the stream kernel, merged by ``merge_shards``
-        (one tile: the kernel's statistics as they are). A label outside every tile (``tgt >= vocab``)
-        gives ``NOT_HERE`` log-probs."""
+    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer):
+        """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``.
+        A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE`` log-probs."""
         parts, held = [], []
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
             local, inside = _local_target(tgt, v0, v1 - v0)
             ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
-            parts.append(stream.forward(pol.logits(v0, v1, buffer), ref_tile, local, temp, with_entropy, with_full_kl))
+            parts.append(stream.forward(pol.logits(v0, v1, buffer), ref_tile, local, temp, wanted))
             held.append(inside)
         inside = torch.stack(held)
-
-        def held_here(logp):
-            return torch.where(inside, logp, NOT_HERE)
-
+        pieces = {name: torch.stack([getattr(p, name) for p in parts]) for name in statistics.NAMES
+                  if statistics.present(wanted, name)}
+        for name in ("logp", "ref_logp"):
+            if name in pieces:
+                pieces[name] = torch.where(inside, pieces[name], NOT_HERE)
         if len(parts) == 1:
-            only = parts[0]
-            return only._replace(logp=held_here(only.logp[None])[0],
-                                 ref_logp=held_here(only.ref_logp[None])[0] if rfs is not None else only.ref_logp)
+            return StreamStats(*(pieces[name][0] if name in pieces else getattr(parts[0], name)
+                                 for name in statistics.NAMES))
+        return statistics.merge(pieces, wanted)
 
-        def stacked(name):
-            return torch.stack([getattr(p, name) for p in parts]) if getattr(parts[0], name).numel() else None
-
-        return merge_shards(stacked("lse"), held_here(stacked("logp")), stacked("entropy"), stacked("ref_lse"),
-                            held_here(stacked("ref_logp")) if rfs is not None else None, stacked("full_kl"))
-
-    def backward(policy, ref, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy, g_full_kl, full_kl,
-                 want_x, want_weight, want_bias, tile_elements):
+    def backward(policy, ref, target, temperature, lse, ref_lse, basis, want_x, want_weight, want_bias,
+                 tile_elements):
         vocab = _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
         dense = policy.weight is None
@@ -186,45 +177,40 @@ def bind(stream):
         want_bias = want_bias and not dense and policy.bias is not None
         d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=lse.device) if want_weight else None
         d_bias = torch.zeros(vocab, dtype=acc, device=lse.device) if want_bias else None
-        full = g_full_kl is not None
-        rows, vocab_tile = plan(vocab, tile_elements)
-        buffer = torch.empty(rows * vocab_tile, dtype=acc, device=lse.device)
-        ref_buffer = torch.empty_like(buffer) if full else None
-        pick = lambda t, padded: None if t is None else t[padded]  # noqa: E731
+        with_logq = basis.p_logq is not None
+        tile_rows, vocab_tile = plan(vocab, tile_elements)
+        buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=lse.device)
+        ref_buffer = torch.empty_like(buffer) if with_logq else None
         ok = (target >= 0) & torch.isfinite(lse)
-        for idx, padded, m in _scored_tiles(target, ok, rows):
+        for idx, padded, m in _scored_tiles(target, ok, tile_rows):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
-            pol = _Rows(policy, padded, acc)
-            rfs = _Rows(ref, padded, acc) if full else None
-            stats = [pick(t, padded) for t in (lse, ref_lse if full else None, g_logp, g_entropy, entropy,
-                                               g_full_kl, full_kl)]
-            d_rows = None
-            if want_x:
-                d_rows = torch.zeros(rows, d_x.shape[-1], dtype=acc, device=lse.device)
+            pol = _TileSide(policy, padded, acc)
+            rfs = _TileSide(ref, padded, acc) if with_logq else None
+            tile_basis = type(basis)(*(None if c is None else c[padded] for c in basis))
+            tile_lse = lse[padded]
+            tile_ref_lse = ref_lse[padded] if with_logq else None
+            d_tile = torch.zeros(tile_rows, d_x.shape[-1], dtype=acc, device=lse.device) if want_x else None
             for v0 in range(0, vocab, vocab_tile):
                 v1 = min(v0 + vocab_tile, vocab)
                 tile = pol.logits(v0, v1, buffer)
-                ref_tile = rfs.logits(v0, v1, ref_buffer) if full else None
+                ref_tile = rfs.logits(v0, v1, ref_buffer) if with_logq else None
                 local, inside = _local_target(tgt, v0, v1 - v0)
-                grad = stream.backward(tile, ref_tile, local, temp, *stats)
-                # The kernel added the label term g_logp / T at column 0 of rows whose label is in
-                # another vocab tile or shard (it needs a label): take it back out.
-                wrong = (local >= 0) & ~inside
-                extra = torch.where(wrong, stats[2] / temp, 0).to(acc)
-                grad.scatter_add_(1, local.clamp(min=0)[:, None], -extra[:, None])
+                # The label term belongs to the tile (and shard) that holds the label.
+                here = tile_basis._replace(label=torch.where(inside, tile_basis.label, 0))
+                grad = stream.backward(tile, ref_tile, local, temp, tile_lse, tile_ref_lse, here)
                 _chain(policy, tile, grad)
                 if dense:
                     if want_x:
-                        d_rows[:, v0:v1] = grad
+                        d_tile[:, v0:v1] = grad
                     continue
                 if want_x:
-                    _add_mm(d_rows, grad, pol.weight(v0, v1))
+                    _add_mm(d_tile, grad, pol.weight(v0, v1))
                 if want_weight:
                     _add_mm(d_weight[v0:v1], grad.T, pol.x)
                 if want_bias:
                     d_bias[v0:v1] += grad.sum(0)
             if want_x:
-                d_x_rows[idx] = d_rows[:m].to(d_x.dtype)
+                d_x_rows[idx] = d_tile[:m].to(d_x.dtype)
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
         return d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
 
@@ -241,14 +227,14 @@ def whole_rows(vocab: int, tile_elements: int) -> int:
 def bind_loss(loss):
     """``loss_forward`` of the ``linear`` family on top of the ``loss`` module ``loss``."""
 
-    def loss_forward(policy, ref, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, want_x,
+    def loss_forward(policy, ref, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, want_x,
                      want_weight, want_bias, tile_elements):
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
         device = target.device
-        has_ref, full = ref is not None, terms.split_estimator(estimator)[0] == "full"
-        new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=device)  # noqa: E731
-        stats = LossStats(new(True), new(True), new(has_ref), new(full))
+        has_ref = ref is not None
+        stats = statistics.empty_stats(n, loss_wanted(has_ref, estimator),
+                                       lambda size: torch.zeros(size, dtype=acc, device=device))
         d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None
         d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
         d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=device) if want_weight else None
@@ -260,11 +246,11 @@ def bind_loss(loss):
         ref_buffer = torch.empty_like(buffer) if has_ref else None
         for idx, padded, m in _scored_tiles(target, target >= 0, tile_rows):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
-            pol = _Rows(policy, padded, acc)
+            pol = _TileSide(policy, padded, acc)
             tile = pol.logits(0, vocab, buffer)
-            ref_tile = _Rows(ref, padded, acc).logits(0, vocab, ref_buffer) if has_ref else None
-            tile_in = LossRows(*(None if t is None else t[padded] for t in rows))
-            part, grad = loss.forward(tile, ref_tile, tgt, temp, tile_in, bounds, loss_type, estimator, entropy_grad,
+            ref_tile = _TileSide(ref, padded, acc).logits(0, vocab, ref_buffer) if has_ref else None
+            tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
+            part, grad = loss.forward(tile, ref_tile, tgt, temp, tile_in, hp, loss_type, estimator, entropy_grad,
                                       with_grad)
             for dst, src in zip(stats, part):
                 if dst.numel():
@@ -279,7 +265,8 @@ def bind_loss(loss):
             if want_bias:
                 d_bias += grad.sum(0)
         bad = target == OUT_OF_RANGE
-        for dst in (stats.logp, stats.entropy, stats.ref_logp, stats.full_kl):
+        for name in ("logp", "entropy", "ref_logp", "full_kl"):
+            dst = getattr(stats, name)
             if dst.numel():
                 dst.masked_fill_(bad, float("nan"))
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731

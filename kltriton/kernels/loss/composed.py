@@ -1,28 +1,28 @@
-"""The ``loss`` family from the ``stream`` family of one backend: statistics, coefficients, gradient.
+"""The ``loss`` family from a ``stream`` backend module: statistics, coefficients, gradient (two reads).
 
-``forward`` runs the stream forward kernel, the ``[N]`` coefficients of ``terms.coefficients``, and
-the stream backward kernel with those coefficients, all inside the forward call: the logits are read
-twice (statistics, then gradient) and the gradient written once. The reference backend is this; the
-C++ and Triton fused kernels do it in one pass per row and fall back here (C++: a reference in another
-dtype; Triton: no gradient wanted, the stream forward alone).
+``forward`` runs the stream module's forward, the ``[N]`` coefficients of ``terms.coefficients`` (the loss
+types of ``terms.FUSED``), and the stream module's backward on the gradient basis,
+all inside the forward call: the logits are read twice (statistics, then gradient) and the gradient
+written once. The reference backend is this; the fused C++ and Triton kernels run it for what they do
+not take.
 """
-from kltriton import dispatch
-from kltriton.kernels.loss import LossStats, terms
+from kltriton import estimators
+from kltriton.kernels import statistics
+from kltriton.kernels.loss import terms, wanted
 
 
-def forward(stream_backend, logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator,
-            entropy_grad, with_grad):
-    kernels = dispatch.implementation("stream", stream_backend)
-    full = terms.split_estimator(estimator)[0] == "full"
-    stats = kernels.forward(logits, ref_logits, target, temperature, True, full)
-    out = LossStats(stats.logp, stats.entropy, stats.ref_logp, stats.full_kl)
+def forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad,
+            with_grad):
+    """``stream``: the ``kltriton.kernels.stream`` backend module to compose (its ``forward`` / ``backward``)."""
+    stats = stream.forward(logits, ref_logits, target, temperature, wanted(ref_logits is not None, estimator))
     if not with_grad:
-        return out, logits.new_empty((0, logits.shape[-1]))
-    ref_logp = stats.ref_logp if ref_logits is not None else rows.ref_logp
-    g_logp, g_entropy, g_full_kl = terms.coefficients(loss_type, estimator, stats.logp, ref_logp, rows.old_logp,
-                                                      rows.advantages, rows.w_pg, rows.w_kl, rows.w_ent, bounds)
-    grad = kernels.backward(logits, ref_logits if full else None, target, temperature, stats.lse,
-                            stats.ref_lse if full else None, g_logp.contiguous(),
-                            g_entropy.contiguous() if entropy_grad else None, stats.entropy if entropy_grad else None,
-                            g_full_kl.contiguous() if full else None, stats.full_kl if full else None)
-    return out, grad.view(-1, logits.shape[-1])
+        return stats, logits.new_empty((0, logits.shape[-1]))
+    est = estimators.parse(estimator) if estimator else None
+    ref_logp = stats.ref_logp if ref_logits is not None else inputs.ref_logp
+    g_logp, g_full_kl = terms.coefficients(loss_type, est, stats.logp, ref_logp, inputs, hp)
+    grads = {"logp": g_logp, "entropy": inputs.w_ent if entropy_grad else None, "full_kl": g_full_kl}
+    basis = statistics.gradient_basis(grads, stats, temperature)
+    with_logq = basis.p_logq is not None
+    grad = stream.backward(logits, ref_logits if with_logq else None, target, temperature, stats.lse,
+                           stats.ref_lse if with_logq else None, basis)
+    return stats, grad.view(-1, logits.shape[-1])

@@ -1,18 +1,18 @@
 """C++ backend of the ``loss`` family: ``torch.ops.kltriton_cpp.loss_forward`` / ``loss_scale_``.
 
-One pass per row (``csrc/loss_forward.cpp``): the row's statistics, its loss coefficients, then its
-gradient while the row is still in cache. CPU tensors in float32 / bfloat16 / float16. The fused row
-kernel takes one dtype: reference logits in another dtype run the two-pass composition of the C++
-stream kernels (``composed.py``), which reads them in their own dtype.
+One pass per row (``csrc/loss_forward.cpp``): the row's statistics, its loss derivative and gradient basis,
+then its gradient while the row is still in cache. CPU tensors in float32 / bfloat16 / float16. The fused
+row kernel takes one dtype: reference logits in another dtype run the two-pass composition of the C++
+stream kernels (``composed.py``).
 """
 import torch
 
+from kltriton import estimators
 from kltriton.kernels import cpp_library
-from kltriton.kernels.loss import LossStats, composed
+from kltriton.kernels.loss import composed
 from kltriton.kernels.rows import as_rows3d
-
-LOSS_TYPES = {"ppo": 0, "cispo": 1}
-ESTIMATORS = {"": 0, "k1": 1, "abs": 2, "k2": 3, "k3": 4, "full": 5}
+from kltriton.kernels.statistics import StreamStats
+from kltriton.kernels.stream import cpp as stream
 
 
 def availability():
@@ -23,19 +23,29 @@ def _f32(tensor):
     return None if tensor is None else tensor.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def forward(logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad):
+def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad):
     if ref_logits is not None and ref_logits.dtype != logits.dtype:
-        return composed.forward("cpp", logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator,
+        return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
                                 entropy_grad, with_grad)
     cpp_library.load()
-    straight = estimator.endswith("+")
-    base = estimator[:-1] if straight else estimator
+    est = estimators.parse(estimator) if estimator else None
     outs = torch.ops.kltriton_cpp.loss_forward(
         as_rows3d(logits.detach()), None if ref_logits is None else as_rows3d(ref_logits.detach()), target,
-        temperature, _f32(rows.old_logp), _f32(rows.advantages), _f32(rows.w_pg), _f32(rows.w_kl),
-        _f32(rows.w_ent), _f32(rows.ref_logp), bounds.to(torch.float64).contiguous(), LOSS_TYPES[loss_type],
-        ESTIMATORS[base], straight, bool(entropy_grad), bool(with_grad))
-    return LossStats(*outs[:4]), outs[4]
+        temperature, _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg), _f32(inputs.w_kl),
+        _f32(inputs.w_ent), _f32(inputs.ref_logp), hp.to(torch.float64).contiguous(), loss_type,
+        est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad))
+    return StreamStats(*outs[:-1]), outs[-1]
+
+
+def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator):
+    """``d loss / d logp`` per row from the C++ ``row_g_logp`` (for the parity test of the three
+    implementations, ``tests/kernels/test_loss_coefficients.py``)."""
+    cpp_library.load()
+    est = estimators.parse(estimator) if estimator else None
+    return torch.ops.kltriton_cpp.loss_coefficients(
+        _f32(logp), _f32(ref_logp), _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg),
+        _f32(inputs.w_kl), hp.to(torch.float64).contiguous(), loss_type, est.base if est else "",
+        bool(est and est.straight_through))
 
 
 def scale_(grad, upstream):

@@ -4,11 +4,12 @@ Any float dtype (float64 logits give a float64 oracle). ``scale_`` always multip
 writes the gradient even when the upstream gradient is 1).
 """
 from kltriton.kernels.loss import composed
+from kltriton.kernels.stream import reference as stream
 
 
-def forward(logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad):
-    return composed.forward("reference", logits, ref_logits, target, temperature, rows, bounds, loss_type,
-                            estimator, entropy_grad, with_grad)
+def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad):
+    return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
+                            entropy_grad, with_grad)
 
 
 def scale_(grad, upstream):

@@ -1,24 +1,40 @@
-"""The per-token policy-loss formulas in PyTorch (``[N]`` work): verl 0.9 ``core_algos`` semantics.
+"""The policy-loss formulas in PyTorch (``[N]`` work): verl 0.9 ``core_algos`` semantics, declared once.
 
-Used for the loss value and the metrics by every path, and differentiated by autograd for ``gspo``.
-``coefficients`` is the hand-derived gradient of ``objective`` for the token-level losses (the
-reference backend and ``composed.py`` use it; the fused kernels compute the same per row: C++
-``row_coefficients`` in ``csrc/loss_forward.cpp``, Triton ``_row_coefficients`` in
-``kltriton/kernels/loss/triton.py``); the tests hold every backend against float64 oracles
-differentiated by autograd.
+Every path uses them for the loss value and the metrics; the two-pass route differentiates them by
+autograd. For the loss types of ``FUSED`` (a row's derivative depends on that row alone) the derivative
+w.r.t. the per-row log-prob is also written out three times: ``SLOPES`` here (the reference backend's),
+``row_g_logp`` in ``csrc/loss_coefficients.h`` and ``_row_g_logp`` in ``kltriton/kernels/loss/triton.py``;
+``tests/kernels/test_loss_coefficients.py`` holds the three against each other and against autograd
+through ``objective``.
 
-``bounds`` is the float64 ``[4]`` tensor of the ``loss`` family: ``1 - clip_low``, ``1 + clip_high``,
-dual clip (``inf`` off), KL clamp (``inf`` off).
+``hyperparameters`` is the float64 vector of the ``loss`` family, slots ``constants.HYPERPARAMETERS``:
+``ratio_low = 1 - clip_low``, ``ratio_high = 1 + clip_high``, ``dual_clip`` (``inf`` off), ``kl_clamp``
+(``inf`` off).
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from kltriton import estimators
+from kltriton.kernels import constants
 
 LOSS_TYPES = ("ppo", "gspo", "cispo")
-LOG_RATIO_CLAMP = 20.0  # verl clamps log(ratio) to [-20, 20] before exp (vanilla, cispo)
+# Loss types whose derivative w.r.t. a row's log-prob depends on that row alone: the fused kernels.
+FUSED = ("ppo", "cispo")
+LOG_RATIO_CLAMP = constants.LOG_RATIO_CLAMP
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the log of the GSPO token ratio at 10
+SLOT = {name: i for i, name in enumerate(constants.HYPERPARAMETERS)}
+
+
+def hyperparameters(device, **values) -> torch.Tensor:
+    """The float64 hyperparameter vector from ``values`` by slot name (each a 0-dim float64 tensor or a
+    float); a slot not given is ``inf`` (off)."""
+    unknown = set(values) - set(SLOT)
+    if unknown:
+        raise KeyError(f"unknown hyperparameters {sorted(unknown)}; slots: {constants.HYPERPARAMETERS}")
+    inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
+    return torch.stack([torch.as_tensor(values.get(name, inf), dtype=torch.float64, device=device)
+                        for name in constants.HYPERPARAMETERS])
 
 
 class TokenTerms(NamedTuple):
@@ -30,26 +46,12 @@ class TokenTerms(NamedTuple):
     log_ratio: torch.Tensor      # [N] logp - old (clamped like verl's ppo_kl)
 
 
-def split_estimator(estimator: str):
-    """``(base, straight_through)`` of ``"k3+"``-style names (``""``: no KL term)."""
-    if estimator.endswith("+"):
-        return estimator[:-1], True
-    return estimator, False
-
-
-def kl_term(estimator, logp, ref_logp, full_kl, kl_clamp):
-    """The estimator's value (clamped to ``[-kl_clamp, kl_clamp]``); ``"+"`` names take the gradient of
-    ``k2`` (verl ``kl_penalty``)."""
-    base, straight = split_estimator(estimator)
-    if base == "":
+def kl_term(estimator: Optional[estimators.Estimator], logp, ref_logp, full_kl, kl_clamp):
+    """The estimator's value clamped to ``[-kl_clamp, kl_clamp]`` (a 0-dim tensor, ``inf``: off); 0 without an
+    estimator."""
+    if estimator is None:
         return torch.zeros_like(logp)
-    kl = estimators.value(base, None, logp, ref_logp, full_kl)
-    kl = torch.clamp(kl, min=-kl_clamp, max=kl_clamp)
-    if straight:
-        d = logp - ref_logp
-        k2 = 0.5 * d * d
-        kl = k2 - k2.detach() + kl.detach()
-    return kl
+    return estimator.value(logp, ref_logp, full_kl, kl_clamp)
 
 
 def _ratio(logp, old):
@@ -91,12 +93,11 @@ def gspo(logp, old, adv, low, high, scored, seq_index, num_seqs):
     return torch.maximum(pg1, pg2), ratio, pg2 > pg1, torch.zeros_like(scored), log_ratio
 
 
-def token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv, bounds, scored,
-                seq_index=None, num_seqs=1) -> TokenTerms:
+def token_terms(loss_type, estimator, logp, ref_logp, full_kl, old, adv, hp, scored, seq_index=None,
+                num_seqs=1) -> TokenTerms:
     """Per-token terms on ``[N]`` tensors; ``old`` None means on-policy (``old = logp.detach()``)."""
-    del entropy  # the entropy enters the objective as it is
-    bounds = bounds.to(logp.dtype)
-    low, high, dual, kl_clamp = bounds[0], bounds[1], bounds[2], bounds[3]
+    hp = hp.to(logp.dtype)
+    low, high, dual, kl_clamp = (hp[SLOT[name]] for name in ("ratio_low", "ratio_high", "dual_clip", "kl_clamp"))
     old = logp.detach() if old is None else old
     if loss_type == "ppo":
         pg, ratio, clipped, lower, log_ratio = ppo(logp, old, adv, low, high, dual)
@@ -115,31 +116,38 @@ def objective(terms: TokenTerms, entropy, w_pg, w_kl, w_ent):
     return w_pg * terms.pg + w_kl * terms.kl + w_ent * entropy
 
 
-def coefficients(loss_type, estimator, logp, ref_logp, old, adv, w_pg, w_kl, w_ent, bounds):
-    """``(d loss / d logp, d loss / d entropy, d loss / d full_kl)`` per row: the derivative of
-    ``objective`` for ``ppo`` / ``cispo``, written out (the fused C++ and Triton kernels compute the
-    same per row). At an exact tie of the max / min the unclipped branch takes
-    the whole gradient (autograd would split it; equal where both branches have the same slope)."""
-    bounds = bounds.to(logp.dtype)
-    low, high, dual, kl_clamp = bounds[0], bounds[1], bounds[2], bounds[3]
-    old = logp if old is None else old
+def _ppo_slope(logp, old, adv, hp):
+    """``d pg / d logp`` of ``ppo`` per row. At an exact tie of the max / min the unclipped branch takes the whole
+    gradient (autograd would split it; equal where both branches have the same slope)."""
+    low, high, dual = (hp[SLOT[name]] for name in ("ratio_low", "ratio_high", "dual_clip"))
     d = logp - old
     ratio = torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    clipped = torch.clamp(ratio, low, high)
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, low, high)
     zero = torch.zeros_like(logp)
-    if loss_type == "ppo":
-        pg1, pg2 = -adv * ratio, -adv * clipped
-        g_ratio = torch.where(pg1 >= pg2, -adv, zero)
-        g_ratio = torch.where((adv < 0) & (torch.maximum(pg1, pg2) > -adv * dual), zero, g_ratio)
-        g_logp = w_pg * g_ratio * torch.where(d.abs() <= LOG_RATIO_CLAMP, ratio, zero)
-    else:
-        g_logp = -w_pg * clipped * adv
-    base, straight = split_estimator(estimator)
-    g_full_kl = w_kl if base == "full" else zero
-    if base not in ("", "full"):
-        dk = logp - ref_logp
-        value = estimators.value(base, None, logp, ref_logp, None)
-        slope = {"k1": torch.ones_like(dk), "abs": torch.sign(dk), "k2": dk, "k3": -torch.expm1(-dk)}[base]
-        slope = dk if straight else torch.where(value.abs() > kl_clamp, zero, slope)
-        g_logp = g_logp + w_kl * slope
-    return g_logp, w_ent, g_full_kl
+    g_ratio = torch.where(pg1 >= pg2, -adv, zero)
+    g_ratio = torch.where((adv < 0) & (torch.maximum(pg1, pg2) > -adv * dual), zero, g_ratio)  # the dual clip holds
+    return g_ratio * torch.where(d.abs() <= LOG_RATIO_CLAMP, ratio, zero)
+
+
+def _cispo_slope(logp, old, adv, hp):
+    """``d pg / d logp`` of ``cispo``: ``-sg(clip(ratio)) * A``."""
+    ratio = torch.exp(torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return -torch.clamp(ratio, hp[SLOT["ratio_low"]], hp[SLOT["ratio_high"]]) * adv
+
+
+# d pg / d logp per row of the loss types in FUSED, written out (the C++ and Triton kernels compute the same).
+SLOPES = {"ppo": _ppo_slope, "cispo": _cispo_slope}
+assert set(SLOPES) == set(FUSED)
+
+
+def coefficients(loss_type, estimator: Optional[estimators.Estimator], logp, ref_logp, inputs, hp):
+    """``(d loss / d logp, d loss / d full_kl)`` per row (``[N]``) for a loss type of ``FUSED``; ``d loss / d entropy``
+    is ``inputs.w_ent``. ``tests/kernels/test_loss_coefficients.py`` holds it against autograd through
+    ``objective`` and against the C++ and Triton kernels."""
+    hp = hp.to(logp.dtype)
+    old = logp if inputs.old_logp is None else inputs.old_logp
+    g_logp = inputs.w_pg * SLOPES[loss_type](logp, old, inputs.advantages, hp)
+    g_full_kl = inputs.w_kl if estimator is not None and estimator.needs_ref_logits else None
+    if estimator is not None and not estimator.needs_ref_logits:
+        g_logp = g_logp + inputs.w_kl * estimator.slope(logp - ref_logp, hp[SLOT["kl_clamp"]])
+    return g_logp, g_full_kl

@@ -1,50 +1,43 @@
 """Family ``stream``: softmax statistics of each row of logits, in one pass over the vocabulary.
 
 Backends: ``reference.py`` (plain PyTorch, any float dtype incl. float64), ``triton.py`` (CUDA, or
-CPU under ``TRITON_INTERPRET=1``), ``cpp.py`` (CPU, fp32 / bf16 / fp16). Each module provides:
+CPU under ``TRITON_INTERPRET=1``), ``cpp.py`` (CPU, fp32 / bf16 / fp16). The statistics are declared
+in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
 
-``forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats``
+``forward(logits, ref_logits, target, temperature, wanted) -> StreamStats``
     logits:      ``[..., V]`` float, any strides on the leading dims, last dim contiguous. ``N`` =
                  number of leading positions, in row-major order of the leading dims.
     ref_logits:  ``None`` or a tensor of the same shape (strides may differ), in its own float dtype
-                 (e.g. fp32 under a bf16 policy; each is read as it is, never copied).
+                 (e.g. fp32 under a bf16 policy; each is read as it is, never copied). Given iff
+                 ``wanted`` has the ``REF`` bit.
     target:      ``[N]`` int64, contiguous: a label in ``[0, V)``, ``SKIP`` (outputs 0, logits
                  never read) or ``OUT_OF_RANGE`` (outputs NaN, logits never read).
     temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
                  the caller); data, so a new value never recompiles. Every statistic of row ``n``
                  is of ``softmax(logits[n] / T[n])``.
-    Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``:
-    ``entropy`` is empty unless ``with_entropy``; ``ref_logp`` / ``ref_lse`` are empty without
-    ``ref_logits``; ``full_kl`` (``sum_v p_v (log p_v - log q_v)``) is empty unless
-    ``with_full_kl`` (which needs ``ref_logits``). ``logp`` and ``ref_logp`` are clamped to ``<= 0``.
-    A row whose logits are all ``-inf`` has ``lse = -inf`` and NaN statistics (as torch); a NaN or
-    ``+inf`` logit gives NaN statistics (never a silent 0). Logits masked with ``finfo.min`` or
-    ``-1e30`` are normal input: every statistic is finite and exact wherever the float64 answer
-    rounded to fp32 is (``x / T`` must be an fp32 number for the row's max).
+    wanted:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``).
+    Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``, the statistics
+    ``wanted`` does not ask for empty. ``logp`` and ``ref_logp`` are clamped to ``<= 0``. A row whose logits
+    are all ``-inf`` has ``lse = -inf`` and NaN statistics (as torch); a NaN or ``+inf`` logit gives NaN
+    statistics (never a silent 0). Logits masked with ``finfo.min`` or ``-1e30`` are normal input: every
+    statistic is finite and exact wherever the float64 answer rounded to fp32 is (``x / T`` must be an
+    fp32 number for the row's max).
 
-``backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
-g_full_kl, full_kl) -> grad``
-    Gradient w.r.t. ``logits`` of ``sum(g_logp * logp + g_entropy * entropy + g_full_kl * full_kl)``:
+``backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> grad``
+    The gradient w.r.t. ``logits`` on the basis of ``constants.GRADIENT_BASIS``:
 
-        grad = (g_logp * (onehot - p) - g_entropy * p * (log p + H)
-                + g_full_kl * p * (log p - log q - KL)) / T
+        grad = c_label * onehot(target) - p * (c_p + c_p_logp * log p + c_p_logq * log q)
 
-    ``g_*`` are ``[N]`` in the statistics' dtype. ``g_entropy`` / ``entropy`` and ``g_full_kl`` /
-    ``full_kl`` / ``ref_logits`` / ``ref_lse`` are ``None`` when that term is absent. Returns a
-    contiguous tensor shaped like ``logits`` in ``logits.dtype``, zero on rows with ``target < 0``
-    and on rows whose ``lse`` is not finite (``-inf``: all ``-inf`` logits; NaN or ``+inf``: a NaN
-    or ``+inf`` logit, or ``|x| / T`` beyond fp32), the same rule on every backend: their
-    statistics are already NaN, so the loss shows it, and the other rows train unharmed.
+    ``basis``: ``kltriton.kernels.statistics.Basis`` of fp32 ``[N]`` coefficients already divided by ``T``
+    (``statistics.gradient_basis`` turns the statistics' upstream gradients into them); ``p_logp`` / ``p_logq``
+    None when absent. ``ref_logits`` / ``ref_lse`` are given iff ``basis.p_logq`` is (the reference is read
+    only for that term). Returns a contiguous tensor shaped like ``logits`` in ``logits.dtype``, zero on
+    rows with ``target < 0`` and on rows whose ``lse`` is not finite (``-inf``: all ``-inf`` logits; NaN or
+    ``+inf``: a NaN or ``+inf`` logit, or ``|x| / T`` beyond fp32), the same rule on every backend: their
+    statistics are already NaN, so the loss shows it, and the other rows train unharmed. An entry with
+    ``p == 0`` (a ``-inf`` logit, or ``finfo.min`` under a large ``lse``) gets no ``p`` term even where
+    ``log p`` is ``-inf``.
 """
-from typing import NamedTuple
+from kltriton.kernels.statistics import Basis, StreamStats
 
-import torch
-
-
-class StreamStats(NamedTuple):
-    logp: torch.Tensor      # [N] log p(label)
-    lse: torch.Tensor       # [N] logsumexp(logits / T), saved for backward
-    entropy: torch.Tensor   # [N] or [0]
-    ref_logp: torch.Tensor  # [N] or [0]
-    ref_lse: torch.Tensor   # [N] or [0]
-    full_kl: torch.Tensor   # [N] or [0]
+__all__ = ["Basis", "StreamStats"]

@@ -6,9 +6,9 @@ in that precision (float64 results from float64 logits: the oracle for the tests
 """
 import torch
 
-from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype
+from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels.rows import as_rows3d, num_rows
-from kltriton.kernels.stream import StreamStats
+from kltriton.kernels.statistics import StreamStats, empty_stats
 
 CHUNK_ELEMENTS = 1 << 22  # rows per chunk = CHUNK_ELEMENTS // V (about 32 MiB of fp64 per temporary)
 
@@ -49,16 +49,13 @@ def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * values)
 
 
-def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl) -> StreamStats:
+def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
     device, acc = logits.device, accumulation_dtype(logits.dtype)
-    has_ref = ref_logits is not None
-    new = lambda wanted: torch.zeros(n if wanted else 0, dtype=acc, device=device)  # noqa: E731
-    logp, lse, entropy = new(True), new(True), new(with_entropy)
-    ref_logp, ref_lse, full_kl = new(has_ref), new(has_ref), new(with_full_kl)
-
+    out = empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=device))
+    with_entropy, with_full_kl = bool(wanted & constants.ENTROPY), bool(wanted & constants.FULL_KL)
     rows3d = as_rows3d(logits)
-    ref3d = as_rows3d(ref_logits) if has_ref else None
+    ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
     for start, stop in _chunks(n, vocab):
         tgt = target[start:stop]
         keep = torch.nonzero(tgt >= 0).squeeze(1)
@@ -73,53 +70,50 @@ def forward(logits, ref_logits, target, temperature, with_entropy, with_full_kl)
         temp = _row_temperature(temperature, rows, acc)
         logp_all, row_lse = _log_softmax_rows(_take_rows(rows3d, rows, acc), temp)
         dead = row_lse == float("-inf")  # an all -inf row has no distribution: NaN like torch
-        logp[rows] = logp_all.gather(1, label).squeeze(1).clamp(max=0)
-        lse[rows] = row_lse
+        out.logp[rows] = logp_all.gather(1, label).squeeze(1).clamp(max=0)
+        out.lse[rows] = row_lse
         p = logp_all.exp()
         if with_entropy:
             h = -_p_times(p, logp_all).sum(-1)
-            entropy[rows] = h.masked_fill(dead, float("nan"))
+            out.entropy[rows] = h.masked_fill(dead, float("nan"))
         if ref3d is not None:
             logq_all, row_ref_lse = _log_softmax_rows(_take_rows(ref3d, rows, acc), temp)
-            ref_logp[rows] = logq_all.gather(1, label).squeeze(1).clamp(max=0)
-            ref_lse[rows] = row_ref_lse
+            out.ref_logp[rows] = logq_all.gather(1, label).squeeze(1).clamp(max=0)
+            out.ref_lse[rows] = row_ref_lse
             if with_full_kl:
                 kl = _p_times(p, logp_all - logq_all).sum(-1)
-                full_kl[rows] = kl.masked_fill(dead, float("nan"))
+                out.full_kl[rows] = kl.masked_fill(dead, float("nan"))
     bad = target == OUT_OF_RANGE
-    for out in (logp, entropy, ref_logp, full_kl):
-        if out.numel():
-            out.masked_fill_(bad, float("nan"))
-    return StreamStats(logp, lse, entropy, ref_logp, ref_lse, full_kl)
+    for name in ("logp", "entropy", "ref_logp", "full_kl"):
+        value = getattr(out, name)
+        if value.numel():
+            value.masked_fill_(bad, float("nan"))
+    return out
 
 
-def backward(logits, ref_logits, target, temperature, lse, ref_lse, g_logp, g_entropy, entropy,
-             g_full_kl, full_kl) -> torch.Tensor:
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:
     n, vocab = num_rows(logits), logits.shape[-1]
     acc = accumulation_dtype(logits.dtype)
     grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
     grad2d = grad.view(n, vocab)
     rows3d = as_rows3d(logits)
-    ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
+    ref3d = as_rows3d(ref_logits) if basis.p_logq is not None else None
     for start, stop in _chunks(n, vocab):
         tgt = target[start:stop]
         keep = torch.nonzero((tgt >= 0) & torch.isfinite(lse[start:stop])).squeeze(1)
         if keep.numel() == 0:
             continue
         rows = start + keep
+        coef = lambda c: c[rows].to(acc)[:, None]  # noqa: E731
         temp = _row_temperature(temperature, rows, acc)
-        x = _take_rows(rows3d, rows, acc) / temp
-        logp_all = x - lse[rows].to(acc)[:, None]
+        logp_all = _take_rows(rows3d, rows, acc) / temp - lse[rows].to(acc)[:, None]
         p = logp_all.exp()
-        g = -g_logp[rows].to(acc)[:, None] * p
-        g.scatter_add_(1, tgt[keep][:, None], g_logp[rows].to(acc)[:, None])
-        if g_entropy is not None:
-            h = entropy[rows].to(acc)[:, None]
-            g -= g_entropy[rows].to(acc)[:, None] * _p_times(p, logp_all + h)
-        if g_full_kl is not None:
-            y = _take_rows(ref3d, rows, acc) / temp
-            logq_all = y - ref_lse[rows].to(acc)[:, None]
-            kl = full_kl[rows].to(acc)[:, None]
-            g += g_full_kl[rows].to(acc)[:, None] * _p_times(p, logp_all - logq_all - kl)
-        grad2d[rows] = (g / temp).to(grad.dtype)
+        c = coef(basis.p).expand_as(logp_all)
+        if basis.p_logp is not None:
+            c = c + coef(basis.p_logp) * logp_all
+        if ref3d is not None:
+            c = c + coef(basis.p_logq) * (_take_rows(ref3d, rows, acc) / temp - ref_lse[rows].to(acc)[:, None])
+        g = -_p_times(p, c)
+        g.scatter_add_(1, tgt[keep][:, None], coef(basis.label))
+        grad2d[rows] = g.to(grad.dtype)
     return grad

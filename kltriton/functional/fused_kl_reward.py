@@ -8,11 +8,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton import estimators, route
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
+from kltriton.functional.token_kl import kl_of_target, ref_is_logits
 from kltriton.kernels import SKIP
-from kltriton.ops.linear_logits import is_linear, logits_backend
-from kltriton.ops.token_kl import check_estimator, kl_of_target, ref_is_logits
-from kltriton.ops.vocab_parallel import vocab_shard
+from kltriton.linear_logits import is_linear
 
 
 class KLReward(NamedTuple):
@@ -138,17 +138,17 @@ def fused_kl_reward(
     """
     if not is_linear(logits):
         check_logits(logits)
-    with_ref_logits = ref_is_logits(logits, ref)
-    estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
+    estimator = estimators.parse(estimator, ref_logits=ref_is_logits(logits, ref))
+    kl_clamp = estimators.check_kl_clamp(kl_clamp)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     coef = _check_coef(coef, logits)
     rewards = _check_rewards(rewards, logits)
-    shard = vocab_shard(logits, process_group, vocab_start)
+    shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True, vocab=None if shard is None else shard.vocab)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
-    backend = logits_backend(backend, logits, ref)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
+                                      route.backend(backend, logits, ref), shard)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)
     shape = layout.shape

@@ -1,37 +1,26 @@
 """``policy_loss``: the PPO / GRPO / DAPO / CISPO / GSPO policy loss straight from the logits.
 
-Token-level losses (``ppo``, ``cispo``) run the ``loss`` family as the custom op
-``kltriton::loss_forward``: one call computes every row's statistics and writes the loss's
-gradient w.r.t. the logits (the C++ and Triton kernels read each row from memory once for both).
-Its backward only applies the upstream gradient, in place on the saved gradient
-(``kltriton::loss_scale_``), which moves no ``[N, V]`` bytes when that gradient is exactly 1
-(checked on the device by the kernel). A ``LinearLogits`` policy runs
-``kltriton::linear_loss_forward``: the same kernels on GEMM tiles of whole rows, whose logits
-gradients go straight into the hidden / weight / bias gradients (three GEMMs per tile, none
-recomputed in the backward).
-
-``gspo`` (a sequence-level ratio) and on-policy rollout importance sampling (weights that need the
-whole sequence's new log-probs) take the two-pass route: the differentiable ``stream`` op, the
-formulas in PyTorch, and autograd (the logits are read again in the backward).
+``kltriton.route.loss_route`` picks the route. Fused (token-level losses, ``ppo`` and ``cispo``): the ``loss``
+family as a custom op (``kltriton.ops.loss``) computes every row's statistics and writes the loss's gradient
+w.r.t. the logits (or a ``LinearLogits`` policy's hidden states / weight / bias) in the forward; the C++ and
+Triton kernels read each row from memory once for both, and the backward only applies the upstream gradient.
+Two-pass (``gspo``, on-policy rollout importance sampling, vocab-parallel logits): the differentiable
+statistics, the formulas of ``kltriton.kernels.loss.terms`` in PyTorch, and autograd (the logits are read
+again in the backward).
 """
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from kltriton import dispatch, estimators
+from kltriton import estimators, route
 from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
-from kltriton.kernels import SKIP, accumulation_dtype
-from kltriton.kernels.linear import Side
-from kltriton.kernels.loss import LossRows, terms
-from kltriton.ops._define import define_op
-from kltriton.ops.linear_logits import is_linear, linear_sides, logits_backend, logits_stats
-from kltriton.ops.token_kl import ref_is_logits
-from kltriton.ops.vocab_parallel import vocab_shard
+from kltriton.functional.token_kl import ref_is_logits
+from kltriton.kernels import SKIP, accumulation_dtype, statistics
+from kltriton.kernels.loss import LossInputs, terms
+from kltriton.linear_logits import is_linear
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-STRAIGHT_THROUGH = ("k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -42,158 +31,6 @@ class PolicyLossOutput(NamedTuple):
     entropy: torch.Tensor       # S fp32
     ratio: torch.Tensor         # S fp32, the importance ratio (per sequence for gspo)
     metrics: dict               # name -> 0-dim fp32 tensor
-
-
-# --- the fused op ------------------------------------------------------------------------------
-
-def _loss_value(target, loss_type, estimator, stats, rows, bounds, has_ref_logits):
-    """The loss from a ``loss`` kernel's ``LossStats`` and its ``LossRows`` (the reference log-probs read
-    from the reference logits, else the given ones)."""
-    ref_logp = stats.ref_logp if has_ref_logits else (rows.ref_logp if rows.ref_logp is not None
-                                                        else stats.logp[:0])
-    token = terms.token_terms(loss_type, estimator, stats.logp, stats.entropy, ref_logp, stats.full_kl,
-                              rows.old_logp, rows.advantages, bounds, target >= 0)
-    return terms.objective(token, stats.entropy, rows.w_pg, rows.w_kl, rows.w_ent).sum()
-
-
-def _forward(
-    logits: torch.Tensor,                # [..., V]
-    ref_logits: Optional[torch.Tensor],  # [..., V] or None
-    target: torch.Tensor,                # [N] int64 (kltriton.kernels.constants)
-    temperature: torch.Tensor,           # 0-dim float64
-    old_logp: Optional[torch.Tensor],    # [N] or None (on-policy)
-    advantages: torch.Tensor,            # [N]
-    w_pg: torch.Tensor,                  # [N]
-    w_kl: torch.Tensor,                  # [N]
-    w_ent: torch.Tensor,                 # [N]
-    ref_logp: Optional[torch.Tensor],    # [N] given reference log-probs, or None
-    bounds: torch.Tensor,                # float64 [4]
-    loss_type: str,
-    estimator: str,
-    entropy_grad: bool,
-    with_grad: bool,
-    backend: str,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
-    stats, grad = dispatch.implementation("loss", backend).forward(
-        logits, ref_logits, target, temperature, rows, bounds, loss_type, estimator, entropy_grad, with_grad)
-    loss = _loss_value(target, loss_type, estimator, stats, rows, bounds, ref_logits is not None)
-    return loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, grad
-
-
-def _forward_fake(logits, ref_logits, target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp,
-                  bounds, loss_type, estimator, entropy_grad, with_grad, backend):
-    n, vocab = target.shape[0], logits.shape[-1]
-    acc = accumulation_dtype(logits.dtype)
-    full = terms.split_estimator(estimator)[0] == "full"
-    new = lambda size: logits.new_empty(size, dtype=acc)  # noqa: E731
-    return (new(()), new(n), new(n), new(n if ref_logits is not None else 0), new(n if full else 0),
-            logits.new_empty((n if with_grad else 0, vocab)))
-
-
-@torch.library.custom_op("kltriton::loss_scale_", mutates_args=("grad",))
-def loss_scale_(grad: torch.Tensor, upstream: torch.Tensor, backend: str) -> None:
-    """``grad *= upstream`` in place; no ``[N, V]`` traffic when ``upstream == 1`` (cpp / triton)."""
-    dispatch.implementation("loss", backend).scale_(grad, upstream.detach())
-
-
-@loss_scale_.register_fake
-def _loss_scale_fake(grad, upstream, backend):
-    return None
-
-
-def _backward(saved, grads):
-    g_loss = grads["loss"]
-    if g_loss is None:
-        return {}
-    grad = saved.grad
-    if is_fake(grad):
-        # Traced by torch.compile (AOTAutograd): an in-place update of a saved forward output cannot be
-        # partitioned, and functionalization would copy the buffer anyway; scale out of place.
-        return {"logits": (grad * g_loss.to(grad.dtype)).view(saved.logits.shape)}
-    # Eager: the gradient was written in the forward; scale it in place (nothing is read or written
-    # when the upstream gradient is 1, decided by the kernel) and hand that buffer to autograd.
-    loss_scale_(grad, g_loss, saved.backend)
-    return {"logits": grad.view(saved.logits.shape)}
-
-
-loss_forward = define_op(
-    "loss_forward", _forward, outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "grad"),
-    fake=_forward_fake, save=("logits", "backend", "grad"), backward=_backward, materialize_grads=False)
-
-
-def _linear_forward(
-    x: torch.Tensor,                     # policy hidden [..., H]
-    weight: torch.Tensor,                # [V, H]
-    bias: Optional[torch.Tensor],        # [V]
-    scale: Optional[torch.Tensor],       # 0-dim float64
-    softcap: Optional[torch.Tensor],     # 0-dim float64
-    ref_x: Optional[torch.Tensor],       # reference hidden [..., H] or logits [..., V] (no gradient)
-    ref_weight: Optional[torch.Tensor],
-    ref_bias: Optional[torch.Tensor],
-    ref_scale: Optional[torch.Tensor],
-    ref_softcap: Optional[torch.Tensor],
-    target: torch.Tensor,                # [N] int64 (kltriton.kernels.constants)
-    temperature: torch.Tensor,           # 0-dim float64
-    old_logp: Optional[torch.Tensor],    # [N] or None (on-policy)
-    advantages: torch.Tensor,            # [N]
-    w_pg: torch.Tensor,                  # [N]
-    w_kl: torch.Tensor,                  # [N]
-    w_ent: torch.Tensor,                 # [N]
-    ref_logp: Optional[torch.Tensor],    # [N] given reference log-probs, or None
-    bounds: torch.Tensor,                # float64 [4]
-    loss_type: str,
-    estimator: str,
-    entropy_grad: bool,
-    want_x: bool,
-    want_weight: bool,
-    want_bias: bool,
-    tile_elements: int,
-    backend: str,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    rows = LossRows(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
-    ref = None if ref_x is None else Side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
-    stats, d_x, d_weight, d_bias = dispatch.implementation("linear", backend).loss_forward(
-        Side(x, weight, bias, scale, softcap), ref, target, temperature, rows, bounds, loss_type, estimator,
-        entropy_grad, want_x, want_weight, want_bias, tile_elements)
-    loss = _loss_value(target, loss_type, estimator, stats, rows, bounds, ref is not None)
-    grads = tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
-    return (loss, stats.logp, stats.entropy, stats.ref_logp, stats.full_kl, *grads)
-
-
-def _linear_forward_fake(x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap,
-                         target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp, bounds, loss_type,
-                         estimator, entropy_grad, want_x, want_weight, want_bias, tile_elements, backend):
-    n = target.shape[0]
-    full = terms.split_estimator(estimator)[0] == "full"
-    new = lambda size: x.new_empty(size, dtype=accumulation_dtype(x.dtype))  # noqa: E731
-    like = lambda t, wanted: t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)  # noqa: E731
-    return (new(()), new(n), new(n), new(n if ref_x is not None else 0), new(n if full else 0), like(x, want_x),
-            like(weight, want_weight), like(bias, want_bias))
-
-
-def _linear_backward(saved, grads):
-    g_loss = grads["loss"]
-    if g_loss is None:
-        return {}
-    out = {}
-    for name in ("x", "weight", "bias"):
-        if saved.needs_grad[name]:
-            grad = getattr(saved, "d_" + name)
-            if is_fake(grad):  # traced: out of place, as in _backward
-                out[name] = grad * g_loss.to(grad.dtype)
-            else:
-                loss_scale_(grad, g_loss, saved.backend)
-                out[name] = grad
-    return out
-
-
-linear_loss_forward = define_op(
-    "linear_loss_forward", _linear_forward,
-    outputs=("loss", "logp", "entropy", "ref_logp", "full_kl", "d_x", "d_weight", "d_bias"),
-    fake=_linear_forward_fake, save=("backend", "d_x", "d_weight", "d_bias"), backward=_linear_backward,
-    materialize_grads=False)
 
 
 # --- argument checks ---------------------------------------------------------------------------
@@ -220,16 +57,6 @@ def _check_per_token(name, tensor, shape, device, allow_none=True):
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
     return tensor.detach().reshape(-1)
-
-
-def _check_estimator(kl_estimator, with_ref_logits):
-    if not isinstance(kl_estimator, str):
-        raise TypeError(f"kl_estimator must be a str, got {type(kl_estimator).__name__}")
-    straight = kl_estimator in STRAIGHT_THROUGH
-    base = estimators.canonical(kl_estimator[:-1] if straight else kl_estimator)
-    if base == "full" and not with_ref_logits:
-        raise ValueError("kl_estimator='full' needs reference logits in ref, not reference log-probs")
-    return base + ("+" if straight and base != "k2" else "")
 
 
 # --- sequence-level weights ---------------------------------------------------------------------
@@ -395,9 +222,11 @@ def policy_loss(
     with_ref_logits = ref is not None and ref_is_logits(logits, ref)
     if ref is None and kl_coef != 0.0:
         raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
-    estimator = _check_estimator(kl_estimator, with_ref_logits) if ref is not None else ""
+    estimator = estimators.parse(kl_estimator, ref_logits=with_ref_logits, argument="kl_estimator") \
+        if ref is not None else None
+    estimator_name = estimator.name if estimator is not None else ""
     temperature = check_temperature(temperature, device, logits.shape[:-1])
-    shard = vocab_shard(logits, process_group, vocab_start)
+    shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True,
                           vocab=None if shard is None else shard.vocab)
@@ -424,54 +253,40 @@ def policy_loss(
     scored = target != SKIP
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
     agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
-    bounds = torch.stack([runtime_scalar(1.0 - clip_low, device), runtime_scalar(1.0 + clip_high, device),
-                          runtime_scalar(dual_clip if dual_clip is not None else float("inf"), device),
-                          runtime_scalar(kl_clamp if kl_clamp is not None else float("inf"), device)])
+    hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
+                               ratio_high=runtime_scalar(1.0 + clip_high, device),
+                               dual_clip=runtime_scalar(dual_clip if dual_clip is not None else float("inf"), device),
+                               kl_clamp=runtime_scalar(kl_clamp if kl_clamp is not None else float("inf"), device))
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
     w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
+    full = estimator is not None and estimator.needs_ref_logits
 
-    # Two-pass routes: gspo and on-policy IS (they need whole sequences first), vocab-parallel (the
-    # gradient coefficients need the global statistics), and dense policy logits with a LinearLogits
-    # reference. Fused: the loss family on the logits, or on GEMM tiles of a LinearLogits policy.
-    fused = (loss_type != "gspo" and not (old is None and rollout is not None) and shard is None
-             and (is_linear(logits) or not is_linear(ref)))
     is_info = None
+    fused = route.loss_route(logits, ref, loss_type, old is None and rollout is not None, shard) == "fused"
     if fused:
         if rollout is not None:
             is_info = _importance_weights(old, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
         w_pg = agg_w if is_info is None else agg_w * is_info[0]
-        rows = (target, temperature, old, adv, w_pg, w_kl, w_ent, ref_logp_given, bounds, loss_type, estimator,
-                entropy_coef != 0.0)
-        if is_linear(logits):
-            policy, ref_side, tile = linear_sides(logits, ref_logits)
-            want = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in policy[:3]]
-            loss, logp, entropy, ref_logp, full_kl = linear_loss_forward(
-                *policy, *ref_side, *rows, *want, tile, logits_backend(backend, logits, ref_logits))[:5]
-        else:
-            name = dispatch.resolve(backend, "loss", device.type, logits.dtype == torch.float64)
-            with_grad = torch.is_grad_enabled() and logits.requires_grad
-            loss, logp, entropy, ref_logp, full_kl, _ = loss_forward(logits, ref_logits, *rows, with_grad, name)
-        if ref_logits is None:
-            ref_logp = ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp)
-        token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, full_kl, old, adv, bounds,
-                                  scored, seq_index, num_seqs)
-    else:  # two passes: the differentiable stream op, the formulas in PyTorch, autograd
-        name = logits_backend(backend, logits, ref_logits)
-        stats = logits_stats(logits, ref_logits, target, temperature, with_entropy=True,
-                             with_full_kl=estimator == "full", backend=name, shard=shard)
+        inputs = LossInputs(old, adv, w_pg, w_kl, w_ent, ref_logp_given)
+        loss, stats = route.fused_loss(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator_name,
+                                       entropy_coef != 0.0, backend)
         logp, entropy = stats.logp, stats.entropy
-        ref_logp = stats.ref_logp if ref_logits is not None else (
-            ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
+    else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
+        wanted = statistics.request(entropy=True, ref=ref_logits is not None, full_kl=full)
+        stats = route.statistics(logits, ref_logits, target, temperature, wanted,
+                                 route.backend(backend, logits, ref_logits), shard)
+        logp, entropy = stats.logp, stats.entropy
         if rollout is not None:
             old_for_is = logp.detach() if old is None else old
             is_info = _importance_weights(old_for_is, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
         w_pg = agg_w if is_info is None else agg_w * is_info[0]
-        token = terms.token_terms(loss_type, estimator, logp, entropy, ref_logp, stats.full_kl, old, adv, bounds,
-                                  scored, seq_index, num_seqs)
+    ref_logp = stats.ref_logp if ref_logits is not None else (
+        ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
+    token = terms.token_terms(loss_type, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
+                              scored, seq_index, num_seqs)
+    if not fused:
         loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
-        logp, entropy = logp.detach(), entropy.detach()
-
     metrics = _metrics(token, scored, entropy, is_info)
     view = lambda t: t.detach().float().view(shape)  # noqa: E731
     return PolicyLossOutput(loss, view(logp), view(ref_logp), view(token.kl), view(entropy), view(token.ratio),

@@ -1,4 +1,9 @@
-// Shared helpers of the kltriton C++ CPU backend (row-streaming softmax statistics).
+// Shared helpers of the kltriton C++ CPU backend: SIMD math, row addressing, argument checks and the op
+// declarations. The row kernels are inline templates in row_forward.h, row_backward.h and
+// loss_coefficients.h; each op is a thin translation unit (stream_forward.cpp, stream_backward.cpp,
+// loss_forward.cpp) registered in ops.cpp. Every value shared with Python (target sentinels, request
+// and basis bits, statistic indices, hyperparameter slots) comes from kltriton/kernels/constants.py as
+// a -D flag.
 //
 // Compiled with the instruction-set flags of the machine's ATen CPU capability
 // (-DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 ...), so at::vec::Vectorized<float>
@@ -16,6 +21,7 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <string>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -33,8 +39,10 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr int64_t kSkip = KLTRITON_SKIP;               // not scored: outputs 0, never read
 constexpr int64_t kOutOfRange = KLTRITON_OUT_OF_RANGE;  // label outside [0, V): outputs NaN, never read
 
-// A kernel variant is one template parameter MODE: a bitmask of these terms.
-enum ModeBit : int { kEntropy = 1, kRef = 2, kFullKl = 4 };
+// A forward kernel variant is one template parameter MODE: a bitmask of these request bits.
+enum ModeBit : int { kEntropy = KLTRITON_WANT_ENTROPY, kRef = KLTRITON_WANT_REF, kFullKl = KLTRITON_WANT_FULL_KL };
+// A backward variant: the optional terms of the gradient basis it evaluates (label and p always).
+enum BasisBit : int { kPLogp = KLTRITON_BASIS_P_LOGP, kPLogq = KLTRITON_BASIS_P_LOGQ };
 
 // fn(TypeTag<T>{}) with T the C++ type of a float32 / bfloat16 / float16 tensor.
 template <typename T>
@@ -271,26 +279,27 @@ inline int64_t row_grain(int64_t vocab) {
 // A new uninitialized contiguous [N, V] gradient (gradient_buffer.cpp: large ones are reused).
 at::Tensor gradient_buffer(int64_t N, int64_t V, const at::TensorOptions& options);
 
-std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d,
-                                       const std::optional<at::Tensor>& ref3d,
-                                       const at::Tensor& target, const at::Tensor& temperature,
-                                       bool with_entropy, bool with_full_kl);
+std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                       const at::Tensor& target, const at::Tensor& temperature, int64_t wanted);
 
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                           const std::optional<at::Tensor>& ref_lse, const at::Tensor& g_logp,
-                           const std::optional<at::Tensor>& g_entropy,
-                           const std::optional<at::Tensor>& entropy,
-                           const std::optional<at::Tensor>& g_full_kl,
-                           const std::optional<at::Tensor>& full_kl);
+                           const std::optional<at::Tensor>& ref_lse, const at::Tensor& c_label,
+                           const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp,
+                           const std::optional<at::Tensor>& c_p_logq);
 
 std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                                      const at::Tensor& target, const at::Tensor& temperature,
                                      const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
                                      const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
-                                     const std::optional<at::Tensor>& ref_logp, const at::Tensor& bounds,
-                                     int64_t loss_type, int64_t estimator, bool straight_through,
-                                     bool entropy_grad, bool with_grad);
+                                     const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters,
+                                     const std::string& loss_type, const std::string& estimator,
+                                     bool straight_through, bool entropy_grad, bool with_grad);
+
+at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
+                             const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
+                             const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& hyperparameters,
+                             const std::string& loss_type, const std::string& estimator, bool straight_through);
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 

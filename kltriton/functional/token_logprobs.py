@@ -1,21 +1,20 @@
 """``token_logprobs``: log-prob (and entropy) of the labelled token, one pass over the vocab."""
 from typing import Optional
 
-import torch
-
+from kltriton import route
 from kltriton._inputs import build_layout, check_logits, check_temperature
-from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
-from kltriton.ops.vocab_parallel import vocab_shard
+from kltriton.kernels import statistics
+from kltriton.linear_logits import is_linear
 
 
 def token_logprobs(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
+    logits,
+    labels,
     *,
     temperature: float = 1.0,
     ignore_index: int = -100,
-    mask: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    mask=None,
+    cu_seqlens=None,
     shift_labels: bool = False,
     return_entropy: bool = False,
     backend: Optional[str] = None,
@@ -52,11 +51,10 @@ def token_logprobs(
     if not is_linear(logits):
         check_logits(logits)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
-    shard = vocab_shard(logits, process_group, vocab_start)
+    shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
-    backend = logits_backend(backend, logits)
-    stats = logits_stats(logits, None, layout.target, temperature, with_entropy=bool(return_entropy), backend=backend,
-                         shard=shard)
+    stats = route.statistics(logits, None, layout.target, temperature,
+                             statistics.request(entropy=bool(return_entropy)), route.backend(backend, logits), shard)
     logp = stats.logp.view(layout.shape)
     return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp

@@ -8,10 +8,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton import estimators
+from kltriton import estimators, route
 from kltriton._inputs import LOGIT_DTYPES, build_layout, check_logits, check_temperature
-from kltriton.ops.linear_logits import is_linear, logits_backend, logits_stats
-from kltriton.ops.vocab_parallel import vocab_shard
+from kltriton.kernels import statistics
+from kltriton.linear_logits import is_linear
 
 
 class KLOutput(NamedTuple):
@@ -48,25 +48,19 @@ def ref_is_logits(logits: torch.Tensor, ref) -> bool:
                      f"of shape {tuple(logits.shape[:-1])}, got {tuple(ref.shape)}")
 
 
-def check_estimator(estimator, kl_clamp, with_ref_logits):
-    name = estimators.canonical(estimator)
-    if name == "full" and not with_ref_logits:
-        raise ValueError("estimator='full' needs reference logits in ref, not reference log-probs")
-    return name, estimators.check_kl_clamp(kl_clamp)
-
-
-def kl_of_target(logits, ref, target, temperature, estimator, kl_clamp, backend, shard=None):
+def kl_of_target(logits, ref, target, temperature, estimator: estimators.Estimator, kl_clamp, backend,
+                 shard=None):
     """``(kl, logp, ref_logp)`` as flat ``[N]`` tensors for a validated ``target``; differentiable
-    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch). ``shard``: see ``stream``."""
+    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch)."""
     if ref.dim() == logits.dim():
-        stats = logits_stats(logits, ref, target, temperature, with_full_kl=estimator == "full", backend=backend,
-                             shard=shard)
+        wanted = statistics.request(ref=True, full_kl=estimator.needs_ref_logits)
+        stats = route.statistics(logits, ref, target, temperature, wanted, backend, shard)
         ref_logp = stats.ref_logp
     else:
-        stats = logits_stats(logits, None, target, temperature, backend=backend, shard=shard)
+        stats = route.statistics(logits, None, target, temperature, statistics.request(), backend, shard)
         ref_flat = ref.detach().reshape(-1).to(stats.logp.dtype)
         ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
-    kl = estimators.value(estimator, kl_clamp, stats.logp, ref_logp, stats.full_kl)
+    kl = estimator.value(stats.logp, ref_logp, stats.full_kl, kl_clamp)
     return kl, stats.logp, ref_logp
 
 
@@ -116,12 +110,12 @@ def token_kl(
     """
     if not is_linear(logits):
         check_logits(logits)
-    with_ref_logits = ref_is_logits(logits, ref)
-    estimator, kl_clamp = check_estimator(estimator, kl_clamp, with_ref_logits)
+    estimator = estimators.parse(estimator, ref_logits=ref_is_logits(logits, ref))
+    kl_clamp = estimators.check_kl_clamp(kl_clamp)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
-    shard = vocab_shard(logits, process_group, vocab_start)
+    shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
-    backend = logits_backend(backend, logits, ref)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp, backend, shard)
+    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
+                                      route.backend(backend, logits, ref), shard)
     return KLOutput(kl.view(layout.shape), logp.view(layout.shape), ref_logp.view(layout.shape))

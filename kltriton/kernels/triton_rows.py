@@ -1,0 +1,357 @@
+"""Triton row helpers shared by every Triton kernel family (as cut-cross-entropy's ``tl_utils.py``).
+
+One row of logits ``x`` (and optionally reference logits ``y``) is streamed over its vocabulary into a
+per-lane *state* tuple, merged, and finalized into the statistics of ``kltriton.kernels.statistics`` in
+their order (``constants.STATISTICS``). The state, with ``w = (x - frame) * log2(e) / T`` and the frame
+the running max (``_frame``):
+
+    (m, s, t, my, sy, u): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
+                          sy = sum 2^wy, u = sum 2^w * (w - wy)
+
+Each lane keeps its own state over the values it loads, so the vocab loop has no barrier; lanes (and
+vocab chunks of a split row) are merged once, in a fixed order. ``WANT`` (a constexpr) holds the request
+bits of ``constants``: the terms a kernel variant carries. The backward's element math (``grad_block``)
+is on the gradient basis of ``constants.GRADIENT_BASIS``, so it knows no statistic.
+
+Launch settings (``Launch``, ``forward_tile``, ``backward_block``) depend on ``V`` and the dtype only,
+never on ``N``: a row's reduction order is the same in every batch (batch invariance).
+"""
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from kltriton.kernels import constants
+from kltriton.kernels.rows import as_rows3d
+
+# Globals read inside a kernel must be tl.constexpr: a plain Python global compiles under the
+# interpreter but is an error for the real compiler.
+NEG_INF = tl.constexpr(float("-inf"))
+SKIP = tl.constexpr(constants.SKIP)
+WANT_ENTROPY = tl.constexpr(constants.ENTROPY)
+WANT_REF = tl.constexpr(constants.REF)
+WANT_FULL_KL = tl.constexpr(constants.FULL_KL)
+BASIS_P_LOGP = tl.constexpr(constants.P_LOGP)
+BASIS_P_LOGQ = tl.constexpr(constants.P_LOGQ)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# Exponents are kept in base-2 units. exp2 of anything below W_FLOOR is 0 in fp32, so clamping a
+# difference there changes no value and keeps 0 * -inf (a banned token) out of the sums.
+W_FLOOR = tl.constexpr(-150.0)
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+STATE_SIZE = 6  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
+
+# Launch settings (not yet tuned on hardware: see benchmarks/static.py for what they compile to).
+NUM_WARPS = 8
+SUBTILES_PER_THREAD = {4: 4, 2: 2}      # logits element bytes -> 16-byte loads per thread per iteration
+SUBTILES_PER_THREAD_REF = {4: 2, 2: 2}  # the same with a reference row read in the same loop
+CHUNK_BLOCKS = 8                        # vocab blocks per program: V > CHUNK_BLOCKS * BLOCK splits a row
+BACKWARD_BLOCK = 4096                   # vocab entries per backward program / gradient block
+
+
+class Launch(NamedTuple):
+    constexprs: dict             # compile-time arguments besides the absent tensors
+    options: dict                # num_warps, enable_fp_fusion
+    elements_per_iteration: int  # vocab entries one program handles per loop iteration
+    grid_split: int = 1          # programs per row
+
+
+def options():
+    # Pinned: Triton 3.10 turns FP fusion off by default, and the kernels rely on FFMA.
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=True)
+
+
+def forward_tile(vocab: int, elem_bytes: int, has_ref: bool) -> Launch:
+    """Tile ``[SUBTILES, LANES, VEC]`` (VEC = one 16-byte load, LANES = threads) and the vocab split."""
+    vec = 16 // elem_bytes
+    subtiles = (SUBTILES_PER_THREAD_REF if has_ref else SUBTILES_PER_THREAD)[elem_bytes]
+    if vocab % vec:
+        # Rows are not 16-byte aligned: scalar loads. A lane then holds VEC entries strided by LANES
+        # rather than VEC adjacent ones, so the lane reductions stay inside a thread (no shuffles).
+        subtiles, vec = subtiles * vec, 1
+    lanes = min(32 * NUM_WARPS, max(1, triton.next_power_of_2(vocab) // (vec * subtiles)))
+    block = subtiles * lanes * vec
+    split = triton.cdiv(vocab, CHUNK_BLOCKS * block)
+    return Launch(dict(SUBTILES=subtiles, LANES=lanes, VEC=vec, SPLIT=split, CHUNK=CHUNK_BLOCKS * block), options(),
+                  block, split)
+
+
+def backward_block(vocab: int) -> int:
+    return min(BACKWARD_BLOCK, triton.next_power_of_2(max(vocab, 16)))
+
+
+def view_args(tensor):
+    """(tensor, B, outer stride, inner stride) of the ``[A, B, V]`` row view; all None for None."""
+    if tensor is None:
+        return None, 1, 0, 0
+    rows3d = as_rows3d(tensor)
+    return rows3d, rows3d.shape[1], rows3d.stride(0), rows3d.stride(1)
+
+
+# --- addressing and row parameters ----------------------------------------------------------------
+
+@triton.jit
+def row_offset(row, rows_per_outer, outer_stride, inner_stride):
+    """Element offset of row ``row`` of an ``[A, B, V]`` view (``B = rows_per_outer``)."""
+    # 32-bit division (row < N < 2^31), 64-bit offsets: a 64-bit division costs ~100 instructions.
+    return (row // rows_per_outer).to(tl.int64) * outer_stride + (row % rows_per_outer).to(tl.int64) * inner_stride
+
+
+@triton.jit
+def row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,
+                 ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride):
+    """Pointers to ``row`` of the policy and the reference ``[A, B, V]`` views (the policy's twice
+    without a reference)."""
+    x_row = logits_ptr + row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+    y_row = x_row
+    if ref_ptr is not None:
+        y_row = ref_ptr + row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    return x_row, y_row
+
+
+@triton.jit
+def label_logits(x_row, y_row, target, HAS_REF: tl.constexpr):
+    """The label's policy and reference logits in fp32 (the policy's twice without a reference)."""
+    x_label = tl.load(x_row + target).to(tl.float32)
+    y_label = x_label
+    if HAS_REF:
+        y_label = tl.load(y_row + target).to(tl.float32)
+    return x_label, y_label
+
+
+@triton.jit
+def temperature_of(temperature_ptr, temperature_stride, row):
+    """(1 / T, log2(e) / T) in fp32 from the float64 temperature of ``row``."""
+    inv = 1.0 / tl.load(temperature_ptr + row * temperature_stride)
+    return inv.to(tl.float32), (inv * LOG2E).to(tl.float32)
+
+
+@triton.jit
+def clamp(value, low, high):
+    """``min(max(value, low), high)``, NaN kept (as ``torch.clamp``)."""
+    return tl.minimum(tl.maximum(value, low, propagate_nan=tl.PropagateNan.ALL), high,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _clamp_nonpositive(logp):
+    # tl.minimum drops NaN by default (GPU min.f32 returns the other operand); keep it.
+    return tl.minimum(logp, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+# --- the streaming state ----------------------------------------------------------------------------
+
+@triton.jit
+def _frame(m):
+    """Finite stand-in of a running max: 0 while everything seen is ``-inf`` (its sums are 0)."""
+    return tl.where(m == NEG_INF, 0.0, m)
+
+
+@triton.jit
+def _shift(f_old, f_new, c2, floor):
+    """Base-2 exponent moving sums from frame ``f_old`` to ``f_new``, clamped into ``[floor, 0]``.
+
+    It is ``<= 0`` whenever the old sums are non-zero (``f_new`` is the larger max); the clamp only
+    touches the placeholder frame of an all ``-inf`` state and overflowing differences (``finfo.min``
+    logits), so no ``inf * 0`` reaches the sums."""
+    return tl.minimum(tl.maximum((f_old - f_new) * c2, floor), 0.0)
+
+
+@triton.jit
+def empty_state(LANES: tl.constexpr):
+    """The state of no values, one per lane: maxima ``-inf``, sums 0."""
+    inf = tl.full((LANES,), NEG_INF, tl.float32)
+    zero = tl.zeros((LANES,), tl.float32)
+    return inf, zero, zero, inf, zero, zero
+
+
+@triton.jit
+def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
+    """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``."""
+    m, s, t, my, sy, u = state
+    f_new = _frame(m_new)
+    d = _shift(_frame(m), f_new, c2, W_FLOOR)
+    alpha = tl.exp2(d)
+    s_moved = s * alpha
+    if WANT_ENTROPY & WANT:
+        t = alpha * t + s_moved * d
+    if WANT_REF & WANT:
+        fy_new = _frame(my_new)
+        sy = sy * tl.exp2(_shift(_frame(my), fy_new, c2, W_FLOOR))
+        if WANT_FULL_KL & WANT:
+            # No W_FLOOR for the reference: a far smaller log q is a large finite KL term.
+            u = alpha * u + s_moved * (d - _shift(_frame(my), fy_new, c2, NEG_FLT_MAX))
+    return m_new, s_moved, t, my_new, sy, u
+
+
+@triton.jit
+def fold(x, y, state, c2, WANT: tl.constexpr):
+    """Fold tiles ``x`` / ``y`` ``[SUBTILES, LANES, VEC]`` (fp32 logits, ``-inf`` = absent) into the per-lane
+    ``state`` ``[LANES]``: each lane reduces only the values it holds, so no lane waits for another."""
+    m_new = tl.maximum(state[0], tl.max(tl.max(x, axis=2), axis=0))
+    my_new = state[3]
+    if WANT_REF & WANT:
+        my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
+    m, s, t, my, sy, u = _rescale(state, m_new, my_new, c2, WANT)
+    w = (x - _frame(m)[None, :, None]) * c2
+    if (WANT_ENTROPY | WANT_FULL_KL) & WANT:
+        w = tl.maximum(w, W_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit stays NaN
+    e = tl.exp2(w)
+    s += tl.sum(tl.sum(e, axis=2), axis=0)
+    if WANT_ENTROPY & WANT:
+        t += tl.sum(tl.sum(e * w, axis=2), axis=0)
+    if WANT_REF & WANT:
+        wy = (y - _frame(my)[None, :, None]) * c2
+        sy += tl.sum(tl.sum(tl.exp2(wy), axis=2), axis=0)
+        if WANT_FULL_KL & WANT:
+            # A token the reference bans (wy = -inf) that the policy uses gives KL = inf.
+            u += tl.sum(tl.sum(tl.where(e > 0, e * (w - wy), 0.0), axis=2), axis=0)
+    return m, s, t, my, sy, u
+
+
+@triton.jit
+def merge(state, c2, WANT: tl.constexpr):
+    """Combine a vector of states (lanes, or vocab chunks) into one scalar state, in a fixed order."""
+    m_all = tl.max(state[0], axis=0)
+    my_all = m_all
+    if WANT_REF & WANT:
+        my_all = tl.max(state[3], axis=0)
+    m, s, t, my, sy, u = _rescale(state, m_all, my_all, c2, WANT)
+    return m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0)
+
+
+@triton.jit
+def stream_chunk(x_row, y_row, lo, hi, c2, WANT: tl.constexpr, SUBTILES: tl.constexpr, LANES: tl.constexpr,
+                 VEC: tl.constexpr):
+    """Merged state of vocab entries ``[lo, hi)`` of one row: full tiles without a mask (16-byte loads
+    wherever the row is 16-byte aligned), then one masked tail tile."""
+    BLOCK: tl.constexpr = SUBTILES * LANES * VEC
+    tile = (tl.arange(0, SUBTILES)[:, None, None] * (LANES * VEC) + tl.arange(0, LANES)[None, :, None] * VEC
+            + tl.arange(0, VEC)[None, None, :])
+    state = empty_state(LANES)
+    full_end = lo + (hi - lo) // BLOCK * BLOCK
+    for start in range(lo, full_end, BLOCK):
+        x = tl.load(x_row + start + tile).to(tl.float32)
+        y = x  # stands for the reference tile when there is none (never used then)
+        if WANT_REF & WANT:
+            y = tl.load(y_row + start + tile).to(tl.float32)
+        state = fold(x, y, state, c2, WANT)
+    if full_end < hi:
+        offs = full_end + tile
+        x = tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
+        y = x
+        if WANT_REF & WANT:
+            y = tl.load(y_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
+        state = fold(x, y, state, c2, WANT)
+    return merge(state, c2, WANT)
+
+
+@triton.jit
+def store_state(ptr, state):
+    """A merged (scalar) state to ``ptr[0:STATE_SIZE]``."""
+    for i in tl.static_range(len(state)):
+        tl.store(ptr + i, state[i])
+
+
+@triton.jit
+def load_states(ptr, real):
+    """A vector of states from ``ptr[k * STATE_SIZE + i]`` (``ptr`` a block of pointers, one per state);
+    entries where ``real`` is False are empty states."""
+    return (tl.load(ptr, mask=real, other=NEG_INF), tl.load(ptr + 1, mask=real, other=0.0),
+            tl.load(ptr + 2, mask=real, other=0.0), tl.load(ptr + 3, mask=real, other=NEG_INF),
+            tl.load(ptr + 4, mask=real, other=0.0), tl.load(ptr + 5, mask=real, other=0.0))
+
+
+@triton.jit
+def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
+    """A scored row's statistics from its merged state, in ``constants.STATISTICS`` order: ``(logp, lse,
+    entropy, ref_logp, ref_lse, full_kl)``; those ``WANT`` does not ask for are 0."""
+    m, s, t, my, sy, u = state
+    f = _frame(m)
+    log_s = tl.log(s)
+    logp = _clamp_nonpositive((x_label - f) * inv_temperature - log_s)
+    lse = f * inv_temperature + log_s
+    entropy = 0.0
+    if WANT_ENTROPY & WANT:
+        entropy = log_s - t / s * LN2
+    ref_logp = 0.0
+    ref_lse = 0.0
+    full_kl = 0.0
+    if WANT_REF & WANT:
+        fy = _frame(my)
+        log_sy = tl.log(sy)
+        ref_logp = _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy)
+        ref_lse = fy * inv_temperature + log_sy
+        if WANT_FULL_KL & WANT:
+            full_kl = u / s * LN2 - log_s + log_sy
+    return logp, lse, entropy, ref_logp, ref_lse, full_kl
+
+
+@triton.jit
+def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
+    """``values`` (``constants.STATISTICS`` order) to the present outputs' ``ptr + row`` (absent ones are None;
+    passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function)."""
+    tl.store(logp_ptr + row, values[0])
+    if lse_ptr is not None:
+        tl.store(lse_ptr + row, values[1])
+    if entropy_ptr is not None:
+        tl.store(entropy_ptr + row, values[2])
+    if ref_logp_ptr is not None:
+        tl.store(ref_logp_ptr + row, values[3])
+    if ref_lse_ptr is not None:
+        tl.store(ref_lse_ptr + row, values[4])
+    if full_kl_ptr is not None:
+        tl.store(full_kl_ptr + row, values[5])
+
+
+@triton.jit
+def skipped_stats(target):
+    """The statistics of a row that is not scored (never read): ``SKIP`` -> 0, ``OUT_OF_RANGE`` -> NaN;
+    the log-sum-exps 0."""
+    skipped = tl.where(target == SKIP, 0.0, float("nan"))
+    return skipped, 0.0, skipped, skipped, 0.0, skipped
+
+
+# --- the gradient -------------------------------------------------------------------------------------
+
+@triton.jit
+def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, ENTROPY_TERM: tl.constexpr,
+               FULL_KL_TERM: tl.constexpr):
+    """``(c_label, c_p, c_p_logp, c_p_logq)`` (fp32, divided by ``T``) of upstream gradients on ``logp``,
+    ``entropy`` and ``full_kl``, computed in float64 (``kltriton.kernels.statistics.gradient_basis``)."""
+    inv = inv_temperature.to(tl.float64)
+    gl = g_logp.to(tl.float64)
+    c_p = gl
+    c_p_logp = 0.0
+    c_p_logq = 0.0
+    if ENTROPY_TERM:
+        ge = g_entropy.to(tl.float64)
+        c_p += tl.where(ge == 0, 0.0, ge * entropy.to(tl.float64))
+        c_p_logp = ge
+    if FULL_KL_TERM:
+        gk = g_full_kl.to(tl.float64)
+        c_p += tl.where(gk == 0, 0.0, gk * full_kl.to(tl.float64))
+        c_p_logp -= gk
+        c_p_logq = gk
+    return ((gl * inv).to(tl.float32), (c_p * inv).to(tl.float32), (c_p_logp * inv).to(tl.float32),
+            (c_p_logq * inv).to(tl.float32))
+
+
+@triton.jit
+def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: tl.constexpr):
+    """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
+    ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q)`` with ``basis = (c_label, c_p,
+    c_p_logp, c_p_logq)``; ``TERMS`` (``constants.P_LOGP`` / ``P_LOGQ`` bits) says which optional terms are
+    present (``y``, the reference logits, is read only for ``P_LOGQ``)."""
+    log_p = x * inv_temperature - lse
+    p = tl.exp(log_p)
+    c = basis[1]
+    if BASIS_P_LOGP & TERMS:
+        c = c + basis[2] * log_p
+    if BASIS_P_LOGQ & TERMS:
+        c = c + basis[3] * (y * inv_temperature - ref_lse)
+    if TERMS != 0:
+        # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even where
+        # log p is -inf.
+        c = tl.where(p == 0, 0.0, c)
+    return tl.where(offs == target.to(tl.int32), basis[0], 0.0) - p * c

@@ -1,0 +1,95 @@
+"""``LinearLogits``: logits given as an LM head applied to hidden states, never built as ``[N, V]``.
+
+Accepted wherever kltriton accepts logits (``kltriton.route`` sends it to the ``linear`` family, see
+``kltriton.kernels.linear``).
+"""
+import math
+
+import torch
+
+from kltriton._inputs import LOGIT_DTYPES, runtime_scalar
+from kltriton.kernels.linear import Side
+
+
+class LinearLogits:
+    """The logits ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)`` (no tanh when
+    ``softcap`` is None), accepted wherever kltriton accepts logits, policy or reference side.
+
+    Args:
+        hidden: ``[..., H]`` fp32 / bf16 / fp16 (float64 on the reference backend); leading shape
+            ``S`` is the logits' leading shape.
+        weight: ``[V, H]`` (an LM head, e.g. ``model.lm_head.weight``), the dtype of ``hidden``.
+        bias: optional ``[V]``.
+        logit_scale: python float multiplying the logits (Cohere's ``logit_scale``; Granite's is
+            ``1 / logits_scaling``).
+        softcap: optional python float ``> 0`` (Gemma's ``final_logit_softcapping``).
+        tile_elements: budget of the working logits tile (``rows * vocab_tile`` fp32 elements);
+            default ``KLTRITON_LINEAR_TILE`` or 2**23 on CPU (32 MiB) and 2**25 on CUDA (128 MiB).
+
+    Only scored positions are projected, in fp32-accumulated GEMM tiles; peak extra memory is the
+    tile (two in the backward) plus ``O(N)`` plus the parameter gradients. Gradients reach
+    ``hidden``, ``weight`` and ``bias`` of the policy side (a reference side gets none).
+    """
+
+    def __init__(self, hidden, weight, bias=None, *, logit_scale=1.0, softcap=None, tile_elements=None):
+        for name, t in (("hidden", hidden), ("weight", weight)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if hidden.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+        if hidden.dim() < 1:
+            raise ValueError("hidden must have shape [..., H], got a 0-dim tensor")
+        if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+            raise ValueError(f"weight must have shape [V, H={hidden.shape[-1]}], got {tuple(weight.shape)}")
+        if weight.shape[0] == 0:
+            raise ValueError("weight has an empty vocabulary dimension (V == 0)")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor):
+                raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+            if tuple(bias.shape) != (weight.shape[0],):
+                raise ValueError(f"bias must have shape [V={weight.shape[0]}], got {tuple(bias.shape)}")
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and t.dtype != hidden.dtype:
+                raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {t.dtype}")
+            if t is not None and t.device != hidden.device:
+                raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
+            raise TypeError(f"logit_scale must be a finite python float, got {logit_scale!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not 0 < softcap < math.inf):
+            raise ValueError(f"softcap must be None or a finite python float > 0, got {softcap!r}")
+        if tile_elements is not None and (isinstance(tile_elements, bool) or not isinstance(tile_elements, int)
+                                          or tile_elements < 1):
+            raise ValueError(f"tile_elements must be None or an int >= 1, got {tile_elements!r}")
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.logit_scale, self.softcap = float(logit_scale), None if softcap is None else float(softcap)
+        self.tile_elements = tile_elements
+
+    # The tensor-like surface the label checks use (``kltriton._inputs.build_layout``).
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hidden.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def dim(self) -> int:
+        return self.hidden.dim()
+
+    def side(self) -> Side:
+        scale = None if self.logit_scale == 1.0 else runtime_scalar(self.logit_scale, self.device)
+        softcap = None if self.softcap is None else runtime_scalar(self.softcap, self.device)
+        return Side(self.hidden, self.weight, self.bias, scale, softcap)
+
+    def __repr__(self):
+        return (f"LinearLogits(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
+                f"bias={self.bias is not None}, logit_scale={self.logit_scale}, softcap={self.softcap})")
+
+
+def is_linear(logits) -> bool:
+    return isinstance(logits, LinearLogits)

@@ -1,0 +1,247 @@
+"""Vocab-parallel statistics: each rank of a process group holds a contiguous vocabulary shard.
+
+Imported by ``kltriton.route`` only. Rank ``r`` holds ``logits[..., V_r]``, the ids
+``[start_r, start_r + V_r)``; labels are global ids.
+
+Forward: each rank runs the ``stream`` kernel on its shard as if it were the whole row (a row whose
+label is on another shard is scored on a dummy in-shard label, column 0, and its log-prob ignored),
+then ONE all-gather exchanges one fp32 number per present statistic and row (2 for log-probs: local lse
+and label log-prob; +1 entropy; +2 reference lse and label log-prob; +1 full KL), and every rank merges
+them with ``kltriton.kernels.statistics.merge`` into the exact global statistics.
+
+Backward: no communication. The ``stream`` backward on the *global* statistics' gradient basis computes
+exactly the global gradient restricted to the shard; the label term is kept only on the shard that holds
+the label (the other shards get a zero label coefficient at their dummy column).
+
+``LinearLogits`` with a weight shard ``[V_local, H]`` (``_ShardLinear``): the same forward with the
+``linear`` kernel (a row whose label is on another shard gets the target ``V_local``, which that
+family reads as "no label here"); backward: the weight and bias gradients stay local, the hidden
+gradient is summed over the ranks with one all-reduce of ``N x H`` values.
+
+The collectives are ``torch.distributed._functional_collectives`` (``all_gather_single``,
+``all_reduce``), which ``torch.compile`` traces; the autograd functions never differentiate through
+a collective.
+"""
+import math
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from kltriton._inputs import host_checks
+from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
+from kltriton.kernels.statistics import NOT_HERE, StreamStats
+from kltriton.ops import linear, stream
+
+# Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
+# label past the last shard then lies in no shard and its position gives NaN, like OUT_OF_RANGE.
+UNBOUNDED = 2 ** 62
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's ``tensor``, as a functional collective (traced by ``torch.compile``)."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+
+
+def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``[K * M, ...]``: every rank's ``[M, ...]`` tensor in rank order, as a functional collective
+    (traced by ``torch.compile``). Imported here: builds without ``torch.distributed`` lack it."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol.all_gather_single(tensor, 0, group)
+
+
+class VocabShard(NamedTuple):
+    group: object                    # torch.distributed.ProcessGroup
+    start: Union[int, torch.Tensor]  # first global id of this rank's shard (0-dim int64 when learned on the device)
+    size: int                        # V_local, this rank's number of ids
+    vocab: Union[int, torch.Tensor]  # labels must be < vocab: the global V, or UNBOUNDED when not learned
+
+
+def _check_tiling(table, vocab_start):
+    """``table``: per rank ``[start, V_local, rows]``; the shards must tile ``[0, V)`` and agree on rows."""
+    if len({rows for _, _, rows in table}) != 1:
+        raise ValueError("logits must have the same leading shape on every rank of process_group, got "
+                         f"{[rows for _, _, rows in table]} rows")
+    spans = sorted((start, start + size, rank) for rank, (start, size, _) in enumerate(table))
+    end = 0
+    for start, stop, _ in spans:
+        if start != end:
+            shown = ", ".join(f"rank {r}: [{a}, {b})" for a, b, r in sorted(spans, key=lambda s: s[2]))
+            raise ValueError(f"vocab_start: the ranks' shards [vocab_start, vocab_start + V_local) must tile "
+                             f"[0, V) without gaps or overlaps, got {shown} (this rank passed {vocab_start})")
+        end = stop
+
+
+def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[VocabShard]:
+    """This rank's shard of the vocabulary, or ``None`` without a process group.
+
+    ``vocab_start=None`` learns it with one all-gather of 3 int64 per rank (the sum of the lower
+    ranks' ``V_local``). With validation on (``kltriton.set_validation``), the same all-gather checks
+    that the shards tile ``[0, V)`` and that every rank has the same number of rows (a host sync);
+    with validation off and ``vocab_start`` given, nothing is exchanged here.
+    """
+    if process_group is None:
+        if vocab_start is not None:
+            raise ValueError("vocab_start is only meaningful with a process_group")
+        return None
+    if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    if vocab_start is not None:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+            raise TypeError(f"vocab_start must be an int or None, got {type(vocab_start).__name__}")
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    size = logits.shape[-1]  # logits: a tensor or a LinearLogits
+    validate = host_checks()
+    if vocab_start is not None and not validate:
+        return VocabShard(process_group, vocab_start, size, UNBOUNDED)
+    rank = dist.get_rank(process_group)
+    rows = math.prod(logits.shape[:-1])
+    mine = torch.tensor([-1 if vocab_start is None else vocab_start, size, rows], dtype=torch.int64,
+                        device=logits.device)
+    table = _all_gather(mine, process_group).view(-1, 3)
+    if not validate:  # vocab_start is None: learn it on the device, no host sync
+        sizes = table[:, 1]
+        return VocabShard(process_group, sizes[:rank].sum(), size, sizes.sum())
+    table = table.tolist()
+    lower = 0
+    for entry in table:  # a rank that passed None takes the default start
+        entry[0], lower = (lower if entry[0] < 0 else entry[0]), lower + entry[1]
+    _check_tiling(table, vocab_start)
+    return VocabShard(process_group, table[rank][0], size, sum(entry[1] for entry in table))
+
+
+def exchange_stats(local: StreamStats, has_label: torch.Tensor, wanted: int, group) -> Tuple[StreamStats, torch.Tensor]:
+    """Global statistics from every rank's local ones: one all-gather of one value per present statistic and row.
+
+    Args:
+        local: this rank's ``StreamStats`` of its shard (``[N]`` each; absent ones empty), as the
+            ``stream`` kernel returns them for the shard alone.
+        has_label: ``[N]`` bool, whether this rank's shard holds the row's label (its ``logp`` /
+            ``ref_logp`` are then the label's local log-probs; elsewhere they are ignored).
+        wanted: the request bits that produced ``local``.
+    Returns:
+        ``(StreamStats, labelled)``: the merged global ``[N]`` statistics (``statistics.merge``) and
+        ``[N]`` bool, whether any rank holds the row's label (no outputs are masked here).
+    """
+    n = local.lse.shape[0]
+    names = [name for name in statistics.NAMES if statistics.present(wanted, name)]
+    columns = [torch.where(has_label, value, torch.full_like(value, NOT_HERE)) if name in ("logp", "ref_logp")
+               else value for name, value in ((name, getattr(local, name)) for name in names)]
+    gathered = _all_gather(torch.stack(columns), group)  # [K * m, N], rank-major
+    pieces = dict(zip(names, gathered.view(-1, len(columns), n).unbind(1)))  # m tensors [K, N]
+    return statistics.merge(pieces, wanted), (pieces["logp"] != NOT_HERE).any(0)
+
+
+def _masked(value, skip, bad):
+    """0 at unscored rows, NaN at rows scored on a label no shard holds (as the kernels do)."""
+    if value.shape[0] != skip.shape[0]:
+        return value
+    value = torch.where(bad, torch.full_like(value, float("nan")), value)
+    return torch.where(skip, torch.zeros_like(value), value)
+
+
+def _localize(target, start, size, elsewhere):
+    """``(kernel_target, own)``: this shard's column of each row's global label, ``elsewhere`` for a
+    label on another shard; the sentinels (``SKIP``, ``OUT_OF_RANGE``) stay. ``own``: ``[N]`` bool,
+    the label is in this shard."""
+    local_id = target - start
+    own = (target >= 0) & (local_id >= 0) & (local_id < size)
+    return torch.where(target < 0, target, torch.where(own, local_id, torch.full_like(local_id, elsewhere))), own
+
+
+def _global_stats(local: StreamStats, target, kernel_target, own, wanted, group):
+    """``(stats, backward_target)``: the global statistics (one all-gather), 0 at unscored rows and
+    NaN at rows scored on a label no shard holds; the kernel target of the backward, where those
+    rows are ``OUT_OF_RANGE`` (no gradient)."""
+    stats, labelled = exchange_stats(local, own, wanted, group)
+    skip = target == SKIP
+    bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
+    no_nan = torch.zeros_like(bad)
+    stats = StreamStats(*(_masked(getattr(stats, name), skip, no_nan if name.endswith("lse") else bad)
+                          for name in statistics.NAMES))
+    backward_target = torch.where(bad, torch.full_like(kernel_target, OUT_OF_RANGE), kernel_target)
+    return stats, backward_target
+
+
+class _ShardStream(torch.autograd.Function):
+    """``stream`` over vocab shards: local kernel, one all-gather, merge; backward from the saved
+    global statistics' gradient basis (no collective, nothing differentiated through one)."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, target, temperature, wanted, backend, group, start):
+        # A row whose label is on another shard is scored on a dummy in-shard label, column 0.
+        kernel_target, own = _localize(target, start, logits.shape[-1], 0)
+        local = StreamStats(*stream.stream_forward(logits, ref_logits, kernel_target, temperature, wanted, backend))
+        stats, backward_target = _global_stats(local, target, kernel_target, own, wanted, group)
+        ctx.save_for_backward(logits, ref_logits, backward_target, temperature, own, *stats)
+        ctx.backend = backend
+        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
+        ctx.set_materialize_grads(False)
+        return tuple(stats)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        logits, ref_logits, target, temperature, own, *values = ctx.saved_tensors
+        stats = StreamStats(*values)
+        basis = statistics.gradient_basis(dict(zip(statistics.NAMES, grads)), stats, temperature)
+        basis = basis._replace(label=torch.where(own, basis.label, 0))  # the label term on its own shard only
+        with_logq = basis.p_logq is not None
+        grad = stream.stream_backward(logits, ref_logits if with_logq else None, target, temperature, stats.lse,
+                                      stats.ref_lse if with_logq else None, *basis, ctx.backend)
+        return grad, None, None, None, None, None, None, None
+
+
+class _ShardLinear(torch.autograd.Function):
+    """``linear`` (``LinearLogits``) over vocab shards: each rank holds ``weight [V_local, H]`` (and
+    ``bias [V_local]``), the hidden states are replicated. Forward: the local ``linear`` kernel (a row
+    whose label is on another shard gets the target ``V_local``: statistics without a label), one
+    all-gather, merge. Backward: the local kernel from the global statistics gives the shard's
+    weight / bias gradient (kept local) and its part of the hidden gradient, summed over the ranks
+    by one all-reduce (in the hidden states' dtype, as Megatron's tensor-parallel LM head does)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap, target,
+                temperature, wanted, tile_elements, backend, group, start):
+        sides = (x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
+        size = x.shape[-1] if weight is None else weight.shape[0]
+        kernel_target, own = _localize(target, start, size, size)
+        local = StreamStats(*linear.linear_forward(*sides, kernel_target, temperature, wanted, tile_elements, backend))
+        stats, backward_target = _global_stats(local, target, kernel_target, own, wanted, group)
+        ctx.save_for_backward(*sides, backward_target, temperature, *stats)
+        ctx.flags = (backend, tile_elements, group)
+        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
+        ctx.set_materialize_grads(False)
+        return tuple(stats)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved_tensors = ctx.saved_tensors
+        sides, (target, temperature), values = saved_tensors[:10], saved_tensors[10:12], saved_tensors[12:]
+        backend, tile_elements, group = ctx.flags
+        want = list(ctx.needs_input_grad[:3])
+        d_x, d_weight, d_bias = linear.backward_from_grads(sides, target, temperature, tile_elements, backend,
+                                                           dict(zip(statistics.NAMES, grads)), StreamStats(*values),
+                                                           want)
+        if want[0] and sides[1] is not None:  # hidden states: every shard's part of the sum
+            d_x = _all_reduce(d_x, group)
+        return (*(d if w else None for d, w in zip((d_x, d_weight, d_bias), want)), *[None] * 14)
+
+
+def shard_stream(logits, ref_logits, target, temperature, wanted, backend, shard: VocabShard) -> StreamStats:
+    """``stream`` statistics of the full rows, from this rank's shard ``logits [..., V_local]``; ``target``
+    holds global ids. Every rank of ``shard.group`` must call it with the same ``target``, ``temperature``
+    and request. Differentiable w.r.t. ``logits``."""
+    return StreamStats(*_ShardStream.apply(logits, ref_logits, target, temperature, wanted, backend, shard.group,
+                                           shard.start))
+
+
+def shard_linear(policy, ref, target, temperature, wanted, tile_elements, backend, shard: VocabShard) -> StreamStats:
+    """``linear`` statistics of the full rows from this rank's vocab shard: ``policy`` / ``ref`` are
+    ``kltriton.kernels.linear.Side`` tuples whose weight (or dense logits) hold the shard; ``target`` holds
+    global ids. Every rank of ``shard.group`` must call it with the same hidden states, ``target``,
+    ``temperature`` and request. Differentiable w.r.t. the policy's hidden states (gradient all-reduced),
+    weight and bias (local)."""
+    return StreamStats(*_ShardLinear.apply(*policy, *ref, target, temperature, wanted, tile_elements, backend,
+                                           shard.group, shard.start))

@@ -1,0 +1,103 @@
+"""The route table: how a public op's logits reach a kernel family. The one module that decides it.
+
+Statistics (``token_logprobs``, ``token_kl``, ``fused_kl_reward``, ``policy_loss``'s two-pass route):
+
+| logits (policy or reference)         | vocab-sharded | route                                            |
+|--------------------------------------|---------------|--------------------------------------------------|
+| tensors                              | no            | ``ops.stream.stream_forward`` (family ``stream``)  |
+| tensors                              | yes           | ``parallel.shard_stream``                        |
+| a ``LinearLogits`` on either side    | no            | ``ops.linear.linear_forward`` (family ``linear``)  |
+| a ``LinearLogits`` on either side    | yes           | ``parallel.shard_linear``                        |
+
+``policy_loss`` (``loss_route``): ``"fused"`` (the ``loss`` family: the gradient written in the forward,
+``ops.loss.loss_forward`` for tensors, ``ops.loss.linear_loss_forward`` for a ``LinearLogits`` policy) unless
+the loss needs whole sequences before any row's derivative (a sequence-level loss type, or on-policy rollout
+importance sampling), the logits are vocab-sharded (the derivative needs the global statistics first), or the
+policy is a tensor with a ``LinearLogits`` reference; then ``"two-pass"``: the statistics route above, the
+formulas in PyTorch, and autograd (the logits are read again in the backward).
+
+``parallel`` (vocab-parallel) is imported here only.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from kltriton import dispatch, parallel
+from kltriton.kernels.linear import Side
+from kltriton.kernels.linear.tiles import default_tile_elements
+from kltriton.kernels.loss import terms
+from kltriton.kernels.statistics import StreamStats
+from kltriton.linear_logits import LinearLogits, is_linear
+from kltriton.ops import linear, loss, stream
+
+NO_SIDE = Side(None, None, None, None, None)
+
+
+def family(logits, ref=None) -> str:
+    """The kernel family of the statistics of ``logits`` and ``ref`` (tensors or ``LinearLogits``)."""
+    return "linear" if is_linear(logits) or is_linear(ref) else "stream"
+
+
+def backend(name: Optional[str], logits, ref=None, family_name: Optional[str] = None) -> str:
+    """The backend that runs ``family_name`` (default: ``family(logits, ref)``) on these logits' device."""
+    return dispatch.resolve(name, family_name or family(logits, ref), logits.device.type,
+                            logits.dtype == torch.float64)
+
+
+def shard(logits, process_group, vocab_start) -> Optional[parallel.VocabShard]:
+    """This rank's vocab shard (``kltriton.parallel.vocab_shard``), or None without a process group."""
+    return parallel.vocab_shard(logits, process_group, vocab_start)
+
+
+def _side(logits, detach: bool = False) -> Side:
+    side = logits.side() if isinstance(logits, LinearLogits) else Side(logits, None, None, None, None)
+    return Side(*(None if t is None else t.detach() for t in side)) if detach else side
+
+
+def linear_sides(logits, ref_logits) -> Tuple[Side, Side, int]:
+    """``(policy, ref, tile_elements)`` for the ``linear`` family: each side a ``Side`` (the reference
+    detached; ``NO_SIDE`` without one) and the working-tile budget of the ``LinearLogits`` among them."""
+    lin = logits if is_linear(logits) else ref_logits
+    ref = _side(ref_logits, detach=True) if ref_logits is not None else NO_SIDE
+    return _side(logits), ref, lin.tile_elements or default_tile_elements(lin.device.type)
+
+
+def statistics(logits, ref_logits, target, temperature, wanted: int, backend_name: str,
+               vocab_shard: Optional[parallel.VocabShard] = None) -> StreamStats:
+    """``StreamStats`` (``[N]``) of ``logits`` (and ``ref_logits``, no gradient) at ``target``, differentiable
+    w.r.t. the policy's logits or hidden states, weight and bias; ``backend_name`` from ``backend``."""
+    if family(logits, ref_logits) == "linear":
+        policy, ref, tile = linear_sides(logits, ref_logits)
+        if vocab_shard is not None:
+            return parallel.shard_linear(policy, ref, target, temperature, wanted, tile, backend_name, vocab_shard)
+        return StreamStats(*linear.linear_forward(*policy, *ref, target, temperature, wanted, tile, backend_name))
+    ref_logits = None if ref_logits is None else ref_logits.detach()
+    if vocab_shard is not None:
+        return parallel.shard_stream(logits, ref_logits, target, temperature, wanted, backend_name, vocab_shard)
+    return StreamStats(*stream.stream_forward(logits, ref_logits, target, temperature, wanted, backend_name))
+
+
+def loss_route(logits, ref, loss_type: str, whole_sequences: bool, vocab_shard) -> str:
+    """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (see the module docstring). ``whole_sequences``: the
+    loss's per-row inputs need the whole sequences' new log-probs (on-policy rollout importance sampling)."""
+    fused = (loss_type in terms.FUSED and not whole_sequences and vocab_shard is None
+             and (is_linear(logits) or not is_linear(ref)))
+    return "fused" if fused else "two-pass"
+
+
+def fused_loss(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator: str, entropy_grad: bool,
+               backend_name: Optional[str]):
+    """``(loss, StreamStats)`` of the ``loss`` family, the gradient written in the forward: tensors through
+    ``ops.loss.loss_forward``, a ``LinearLogits`` policy through ``ops.loss.linear_loss_forward`` (only what
+    requires grad gets a gradient)."""
+    if is_linear(logits):
+        policy, ref, tile = linear_sides(logits, ref_logits)
+        want = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in policy[:3]]
+        out = loss.linear_loss_forward(*policy, *ref, target, temperature, *inputs, hp, loss_type, estimator,
+                                       entropy_grad, *want, tile, backend(backend_name, logits, ref_logits))
+        return out[0], StreamStats(*out[1:-3])
+    name = backend(backend_name, logits, family_name="loss")
+    with_grad = torch.is_grad_enabled() and logits.requires_grad
+    out = loss.loss_forward(logits, ref_logits, target, temperature, *inputs, hp, loss_type, estimator, entropy_grad,
+                            with_grad, name)
+    return out[0], StreamStats(*out[1:-1])
