@@ -17,7 +17,6 @@ import json
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from kltriton.kernels import cpp_library, statistics  # noqa: E402
 from kltriton.kernels.constants import ENTROPY, FULL_KL, REF  # noqa: E402
 from kltriton.kernels.stream import cpp as cpp_stream  # noqa: E402
+from kltriton.timing import time_ms  # noqa: E402
 
 
 def temp(value) -> torch.Tensor:
@@ -36,14 +36,8 @@ def temp(value) -> torch.Tensor:
 
 
 def timeit(fn, repeat: int) -> float:
-    """Best wall time of ``repeat`` runs after a warm-up (robust to other load on a small box)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """Best wall time in seconds of ``repeat`` runs after a warm-up (robust to other load on a small box)."""
+    return min(time_ms(fn, "cpu", cpu_target_s=0.0, min_repeats=repeat)) / 1e3
 
 
 def cpu_name() -> str:

@@ -19,12 +19,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from kltriton.timing import time_ms
 
 MODES = ("forward", "backward", "fwd_bwd")
 SEQ_LEN = 512  # positions per sequence; tokens = batch * seq_len
@@ -131,28 +132,7 @@ def bytes_moved(case: Case, n_models: int, mode: str) -> int:
     return {"forward": forward, "backward": backward, "fwd_bwd": forward + rows + small}[mode]
 
 
-# --- timers -------------------------------------------------------------------------------------
-
-def time_ms(fn, device: str, cpu_target_s: float = 0.3, warmup: bool = True, min_repeats: int = 3) -> list:
-    """Per-call times in ms. CUDA: ``triton.testing.do_bench`` (warm-up, L2 flush, CUDA events).
-    CPU: one warm-up call (unless ``warmup=False``), then ``perf_counter`` over
-    ``min_repeats``..20 calls (about ``cpu_target_s``)."""
-    if device == "cuda":
-        import triton.testing
-
-        return list(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="all"))
-    if warmup:
-        fn()
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    times = [first * 1e3]
-    for _ in range(min(19, max(min_repeats - 1, math.ceil(cpu_target_s / max(first, 1e-9)) - 1))):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
+# --- timing (kltriton.timing.time_ms) ---------------------------------------------------------------
 
 def _mode_fn(fn, inputs: Inputs, mode: str):
     """The timed callable for ``mode`` (its setup, e.g. building the graph for ``backward``, runs here)."""

@@ -14,21 +14,17 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kltriton.timing import time_ms
+
 
 def _median_ms(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    """Median of ``repeat`` calls, every rank starting each call together (a barrier before it, untimed)."""
+    return statistics.median(time_ms(fn, "cpu", cpu_target_s=0.0, min_repeats=repeat, setup=dist.barrier))
 
 
 def _worker(rank, args, init_file):

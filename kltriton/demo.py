@@ -14,11 +14,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
 import kltriton
+from kltriton.timing import time_ms
 
 TOKENS = 2048
 SEQUENCES = 8
@@ -71,17 +71,8 @@ def fused(logits, ref_logits, ids, cu_seqlens, scores, coef):
 
 
 def _timed(fn, device, repeats=7):
-    """``(median, min, max)`` wall time of ``fn`` in ms over ``repeats`` runs after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    """``(median, min, max)`` wall time of ``fn`` in ms (``kltriton.timing.time_ms``)."""
+    times = time_ms(fn, device, cpu_target_s=0.0, min_repeats=repeats)
     return statistics.median(times), min(times), max(times)
 
 

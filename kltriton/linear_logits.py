@@ -93,3 +93,20 @@ class LinearLogits:
 
 def is_linear(logits) -> bool:
     return isinstance(logits, LinearLogits)
+
+
+def head_scaling(config):
+    """``(logit_scale, softcap)`` of a transformers causal LM's head from its config (the text config of a
+    multimodal one), as TRL 1.16's fused head reads it: ``logit_scale`` (Cohere), else ``output_multiplier``,
+    else ``lm_head_multiplier`` (Falcon-H1), else ``logits_scaling`` (Granite and MiniCPM3 divide by it,
+    HyperCLOVA X multiplies); ``final_logit_softcapping`` (Gemma 2/3)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(config, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            scale = getattr(config, name, None)
+    scaling = getattr(config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if getattr(config, "model_type", None) == "hyperclovax" else 1.0 / scaling
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return (1.0 if scale is None else float(scale)), (None if softcap is None else float(softcap))

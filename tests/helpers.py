@@ -73,9 +73,12 @@ def assert_close(actual, expected, atol, rtol=0.0, what=""):
 
 
 class CallCounter:
-    """Counts the calls of a public kltriton function, replaced for the test with ``monkeypatch``."""
+    """Counts the calls of a public kltriton function, replaced for the test with ``monkeypatch`` in
+    ``kltriton`` and in every kltriton module that imported it by name (the drop-ins call it so)."""
 
     def __init__(self, monkeypatch, name: str):
+        import sys
+
         import kltriton
 
         self.calls = 0
@@ -85,7 +88,9 @@ class CallCounter:
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(kltriton, name, counted)
+        for module_name, module in list(sys.modules.items()):
+            if module_name.split(".")[0] == "kltriton" and getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, counted)
 
 
 class HostSyncError(AssertionError):

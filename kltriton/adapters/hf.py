@@ -11,7 +11,7 @@ import torch
 
 from kltriton.functional.token_kl import token_kl
 from kltriton.functional.token_logprobs import token_logprobs
-from kltriton.linear_logits import LinearLogits
+from kltriton.linear_logits import LinearLogits, head_scaling
 
 
 class CausalLMLogprobs(NamedTuple):
@@ -42,24 +42,12 @@ def _positions_from_cu_seqlens(cu_seqlens, n, device):
     return torch.arange(n, device=device) - starts
 
 
-def _head_scaling(config):
-    """``(logit_scale, softcap)`` of a causal LM's head from its config: Cohere multiplies the logits
-    by ``logit_scale``, Granite divides them by ``logits_scaling``, Gemma 2/3 cap them with
-    ``final_logit_softcapping``."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = float(getattr(config, "logit_scale", None) or 1.0)
-    if getattr(config, "logits_scaling", None):
-        scale /= float(config.logits_scaling)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return scale, None if softcap is None else float(softcap)
-
-
 def _linear_logits(model, input_ids, attention_mask, position_ids) -> LinearLogits:
     """The model's logits ``[B, T, V]`` as a ``LinearLogits`` over its last hidden states."""
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hidden = model.base_model(**kwargs).last_hidden_state
     head = model.get_output_embeddings()
-    scale, softcap = _head_scaling(model.config)
+    scale, softcap = head_scaling(model.config)
     return LinearLogits(hidden, head.weight, getattr(head, "bias", None), logit_scale=scale, softcap=softcap)
 
 

@@ -21,7 +21,7 @@ log-probs kltriton produced. The tests check that kltriton's ``token_kl``, ``fus
 """
 import torch
 
-from kltriton.integrations import _ops
+from kltriton import dropins
 from kltriton.integrations._patch import Integration, Patch
 
 
@@ -29,12 +29,12 @@ from kltriton.integrations._patch import Integration, Patch
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """OpenRLHF's ``log_probs_from_logits`` on kltriton: fp32 log-prob of ``labels`` under
     ``softmax(logits / temperature)``; ``logits`` are left as they are (OpenRLHF divides them in place)."""
-    return _ops.logprobs(logits, labels, temperature)
+    return dropins.selective_log_softmax(logits, labels, temperature)
 
 
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """OpenRLHF's ``compute_entropy`` on kltriton: fp32 entropy of ``softmax(logits)``, differentiable."""
-    return _ops.entropy(logits)
+    return dropins.entropy_from_logits(logits)
 
 
 def _install(patch: Patch) -> None:

@@ -7,9 +7,8 @@
   scored positions and scores them with ``kltriton.token_logprobs`` (log-probs and entropy in one pass).
   So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
   again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
-  log-probs and entropy, LM-head scalings other than ``logit_scale`` / ``final_logit_softcapping``,
-  sharded heads) keep TRL's head, with a log line.
-- ``GRPOTrainer._compute_loss``: with ``kltriton.policy_loss`` available and a configuration that maps
+  log-probs and entropy, sharded heads) keep TRL's head, with a log line.
+- ``GRPOTrainer._compute_loss``: with a configuration that maps
   onto it (see ``policy_loss_arguments``), the loss is computed from the hidden states by
   ``kltriton.policy_loss``; otherwise TRL's own ``_compute_loss`` runs (on kltriton's log-probs), with
   one log line per reason.
@@ -22,18 +21,14 @@ import types
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
 import kltriton
 from kltriton.integrations._patch import Integration, Patch
+from kltriton.linear_logits import head_scaling
 
 logger = logging.getLogger(__name__)
 
 _logged = set()
-
-# LM-head scalings TRL knows besides `logit_scale` and `final_logit_softcapping`; such models keep TRL's head.
-_OTHER_SCALINGS = ("output_multiplier", "lm_head_multiplier", "logits_scaling")
-
 
 def _install(patch: Patch) -> None:
     """Make ``trl.GRPOTrainer`` compute log-probs, entropy (and, where it maps, the loss) with kltriton.
@@ -82,15 +77,11 @@ class _Head(NamedTuple):
 
 
 def _head_scaling(model):
-    """``(logit_scale, softcap)`` of the model's LM head, or a string saying why kltriton's head can't do it."""
-    config = model.config.get_text_config()
-    if getattr(config, "output_router_logits", False):
+    """``(logit_scale, softcap)`` of the model's LM head (``kltriton.linear_logits.head_scaling``, TRL's reading
+    of the config), or a string saying why kltriton's head can't serve the model."""
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
         return "the model returns MoE router logits (its load-balancing loss is TRL's)"
-    for name in _OTHER_SCALINGS:
-        if getattr(config, name, None) is not None:
-            return f"the config sets {name}"
-    logit_scale = getattr(config, "logit_scale", None)
-    return (1.0 if logit_scale is None else float(logit_scale)), getattr(config, "final_logit_softcapping", None)
+    return head_scaling(model.config)
 
 
 def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, outputs):
@@ -130,25 +121,12 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
     model._kltriton_head_scaling = (logit_scale, softcap)
 
 
-def _logits(hidden, weight, bias, logit_scale, softcap):
-    """The logits of ``hidden``: a lazy ``kltriton.LinearLogits`` where kltriton has it, else a tensor."""
-    if hasattr(kltriton, "LinearLogits"):
-        return kltriton.LinearLogits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
-    # Until LinearLogits lands: the [M, V] logits of the M scored positions, accumulated in fp32 like TRL's.
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    if logit_scale != 1.0:
-        logits = logits * logit_scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
-
-
 def _score(hidden, weight, bias, labels, logit_scale, softcap, temperature, with_entropy, num_items_in_batch):
     """TRL's ``FusedCausalLMOutput`` for the next-token ``labels`` (-100 = not scored), from kltriton."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     mask = labels != -100
-    logits = _logits(hidden[mask], weight, bias, logit_scale, softcap)
+    logits = kltriton.LinearLogits(hidden[mask], weight, bias, logit_scale=logit_scale, softcap=softcap)
     out = kltriton.token_logprobs(logits, labels[mask], temperature=temperature, return_entropy=with_entropy)
     logp, entropy = out if with_entropy else (out, None)
     # masked_scatter keeps the outputs connected to the model even when no position is scored
@@ -175,8 +153,6 @@ _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "s
 
 def _why_trl_loss(trainer, inputs) -> Optional[str]:
     """``None`` when ``policy_loss_arguments`` covers the trainer's configuration, else the reason it doesn't."""
-    if not hasattr(kltriton, "policy_loss") or not hasattr(kltriton, "LinearLogits"):
-        return "this kltriton has no policy_loss / LinearLogits yet"
     args = trainer.args
     model = trainer.accelerator.unwrap_model(trainer.model)
     checks = [

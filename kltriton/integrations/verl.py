@@ -20,24 +20,24 @@ that kltriton's ``token_kl`` (every verl KL name) and ``policy_loss`` give verl'
 """
 import torch
 
-from kltriton.integrations import _ops
+from kltriton import dropins
 from kltriton.integrations._patch import Integration, Patch
 
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
     """verl's ``logprobs_from_logits`` on kltriton: fp32 log-prob of ``labels`` (every position scored)."""
-    return _ops.logprobs(logits, labels)
+    return dropins.logprobs_of_labels(logits, labels)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """verl's ``entropy_from_logits`` on kltriton: fp32 entropy of ``softmax(logits)``, differentiable."""
-    return _ops.entropy(logits)
+    return dropins.entropy_from_logits(logits)
 
 
 def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
     """verl's chunked entropy on kltriton; ``chunk_size`` is accepted and not needed."""
-    return _ops.entropy(logits)
+    return dropins.entropy_from_logits(logits)
 
 
 def _install(patch: Patch) -> None:

@@ -290,7 +290,8 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
 @triton.jit
 def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
     """``values`` (``constants.STATISTICS`` order) to the present outputs' ``ptr + row`` (absent ones are None;
-    passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function)."""
+    passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function). A statistic added later
+    takes a trailing ``..._ptr=None`` parameter, so kernels that never produce it need no change."""
     tl.store(logp_ptr + row, values[0])
     if lse_ptr is not None:
         tl.store(lse_ptr + row, values[1])
