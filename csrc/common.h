@@ -279,6 +279,9 @@ inline int64_t row_grain(int64_t vocab) {
 // A new uninitialized contiguous [N, V] gradient (gradient_buffer.cpp: large ones are reused).
 at::Tensor gradient_buffer(int64_t N, int64_t V, const at::TensorOptions& options);
 
+// Gives the cached gradient block (if any) back to the OS; returns its size in bytes.
+int64_t empty_gradient_cache();
+
 std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                                        const at::Tensor& target, const at::Tensor& temperature, int64_t wanted);
 

@@ -6,7 +6,10 @@
 // does on GPU, the largest freed gradient buffer is kept (one block, at least kMinCached bytes) and
 // handed to the next call whose gradient fits in it without wasting more than half of it. New
 // blocks are 2 MiB aligned and ask for transparent huge pages (512x fewer faults). The block is
-// given back to the OS when a larger one replaces it; KLTRITON_CPU_GRAD_CACHE=0 keeps none.
+// given back to the OS when a larger one replaces it or by empty_gradient_cache (kltriton.empty_cache());
+// KLTRITON_CPU_GRAD_CACHE=0 keeps none. A gradient in such a block has a fixed-size storage: it cannot be
+// resize_'d larger.
+#include <cctype>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -27,9 +30,13 @@ struct Cache {
   std::mutex mu;
   void* block = nullptr;
   size_t bytes = 0;
+  // Off for 0 / false / no / off (kltriton/_env.py parses the same values and refuses any other).
   const bool enabled = [] {
     const char* env = std::getenv("KLTRITON_CPU_GRAD_CACHE");
-    return env == nullptr || std::string(env) != "0";
+    if (env == nullptr) return true;
+    std::string value(env);
+    for (char& ch : value) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return !(value == "0" || value == "false" || value == "no" || value == "off");
   }();
 };
 
@@ -76,6 +83,19 @@ void* take(size_t bytes, size_t& capacity) {
 }
 
 }  // namespace
+
+int64_t empty_gradient_cache() {
+  Cache& c = cache();
+  void* block = nullptr;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    std::swap(block, c.block);
+    std::swap(bytes, c.bytes);
+  }
+  std::free(block);
+  return static_cast<int64_t>(bytes);
+}
 
 at::Tensor gradient_buffer(int64_t N, int64_t V, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(N) * static_cast<size_t>(V) * c10::elementSize(options.dtype().toScalarType());

@@ -35,6 +35,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "Tensor w_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) -> Tensor");
   m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
+  m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
 }
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {

@@ -15,6 +15,16 @@ from kltriton.linear_logits import LinearLogits
 
 __version__ = "0.1.0"
 
+
+def empty_cache() -> int:
+    """Give the C++ CPU backend's cached ``[N, V]`` gradient buffer back to the OS (the CPU counterpart of
+    ``torch.cuda.empty_cache()``); returns the bytes released. The backend keeps the largest freed gradient
+    (8 MiB or more) for the next call; ``KLTRITON_CPU_GRAD_CACHE=0`` keeps none. A gradient served from that
+    buffer cannot be ``resize_``'d larger."""
+    from kltriton.kernels import cpp_library
+
+    return cpp_library.empty_cache()
+
 __all__ = [
     "KLOutput",
     "KLReward",
@@ -22,6 +32,7 @@ __all__ = [
     "LinearLogits",
     "controllers",
     "dispatch",
+    "empty_cache",
     "entropy_from_logits",
     "fused_kl_reward",
     "logprobs_of_labels",

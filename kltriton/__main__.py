@@ -2,6 +2,12 @@
 import platform
 import sys
 
+USAGE = """usage: python -m kltriton {info,demo} [options]
+
+  info    versions, the CPU and CUDA devices, and which backend runs each kernel family here
+  demo    the main job: per-token log-probs, KL and KL-shaped rewards of a small causal LM against a
+          reference, with kltriton and with eager PyTorch (python -m kltriton demo --help for its options)"""
+
 
 def info() -> int:
     import torch
@@ -38,7 +44,7 @@ def info() -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "info":
         return info()
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
         from kltriton.demo import main as demo
 
         return demo(argv[1:])
-    print(f"unknown command {argv[0]!r}\n{__doc__}", file=sys.stderr)
+    print(f"unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -54,6 +54,31 @@ def check_logits(logits, name="logits"):
         raise ValueError(f"{name} has an empty vocabulary dimension (V == 0)")
 
 
+def check_float(name: str, value, *, above=None, at_least=None, allow_none: bool = False):
+    """``value`` as a python float: a real number (not a bool or a tensor), finite, ``> above`` and
+    ``>= at_least`` when given; ``None`` passes when ``allow_none``. Every float option of every op goes
+    through here (a NaN passes every ``<`` / ``>`` check, so each range check alone would let it through).
+    While ``torch.compile`` traces, the float is a graph input and is returned unchecked (a comparison
+    would specialize the graph on its value)."""
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a python float, got None")
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a python float{' or None' if allow_none else ''}, got "
+                        f"{type(value).__name__}")
+    if torch.compiler.is_compiling():
+        return value
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if above is not None and not value > above:
+        raise ValueError(f"{name} must be > {above}, got {value}")
+    if at_least is not None and not value >= at_least:
+        raise ValueError(f"{name} must be >= {at_least}, got {value}")
+    return value
+
+
 def runtime_scalar(value, device) -> torch.Tensor:
     """A python float as a 0-dim float64 tensor on ``device``, the form the custom ops take.
 
@@ -151,10 +176,10 @@ def _last_positions(cu_seqlens, n):
 
 
 def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False,
-                 vocab=None) -> Layout:
+                 shard=None) -> Layout:
     """Validate the label-side arguments against ``logits`` and build the flat ``target``.
-    Labels must lie in ``[0, vocab)``, ``vocab`` defaulting to ``logits.shape[-1]`` (the global
-    vocabulary of vocab-parallel logits is larger than their last dim)."""
+    Labels must lie in ``[0, vocab)``: ``logits.shape[-1]``, or with a vocab ``shard``
+    (``kltriton.parallel.VocabShard``) the vocabulary its ranks' shards cover together."""
     if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == logits.dim() - 1 >= 1
             and labels.shape[:-1] == logits.shape[:-2] and labels.shape[-1] == logits.shape[-2] + 1):
         raise ValueError(f"labels {tuple(labels.shape)} are one longer than the logits' positions "
@@ -169,7 +194,7 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, logits)
     shape = logits.shape[:-1]
-    vocab = logits.shape[-1] if vocab is None else vocab
+    vocab = logits.shape[-1] if shard is None else shard.vocab
     n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")
@@ -186,7 +211,8 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     in_range = (labels >= 0) & (labels < vocab)
     if host_checks() and n and bool((scored & ~in_range).any()):
         bad = labels[scored & ~in_range][0].item()
-        raise ValueError(f"labels must lie in [0, V={vocab}) or equal ignore_index={ignore_index}; found {bad}")
+        where = f", the vocabulary the ranks' shards cover ({shard.spans})" if shard is not None and shard.spans else ""
+        raise ValueError(f"labels must lie in [0, V={vocab}){where} or equal ignore_index={ignore_index}; found {bad}")
     target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
     seq_index = None

@@ -11,17 +11,20 @@ from typing import Sequence, Union
 
 import torch
 
+from kltriton._inputs import check_float
+
 Number = Union[float, torch.Tensor]
 
 
-def _to_float(value: Number, name: str) -> float:
+def _to_float(value: Number, name: str, **limits) -> float:
+    """A float or a 1-element tensor as a finite python float (``check_float``'s ``limits``)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-        return float(value.item())  # one host sync per update, outside the hot path
-    if not isinstance(value, (int, float)):
+        value = float(value.item())  # one host sync per update, outside the hot path
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(value).__name__}")
-    return float(value)
+    return check_float(name, value, **limits)
 
 
 def _mean(values, name: str) -> float:
@@ -58,12 +61,8 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int):
         self.value = _to_float(init_kl_coef, "init_kl_coef")
-        self.target = _to_float(target, "target")
-        if not self.target > 0:
-            raise ValueError(f"target must be > 0, got {target}")
-        if not horizon > 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
-        self.horizon = horizon
+        self.target = _to_float(target, "target", above=0.0)
+        self.horizon = _to_float(horizon, "horizon", above=0.0)
 
     def update(self, current_kl: Number, n_steps: int) -> float:
         """Step with the measured KL (a float, a 0-dim tensor, or e.g. ``kl_per_seq`` whose

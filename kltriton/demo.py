@@ -125,7 +125,7 @@ def _lengths(tokens: int, sequences: int, gen) -> list:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m kltriton demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"packed tokens (default {TOKENS})")
     parser.add_argument("--sequences", type=int, default=SEQUENCES, help=f"sequences (default {SEQUENCES})")
     parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
@@ -133,6 +133,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.sequences < 1 or args.tokens < 2 * args.sequences:
         parser.error("--tokens must be at least 2 x --sequences, and --sequences at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu "
+                     "(python -m kltriton info shows what runs here)")
     device, coef = args.device, args.coef
 
     policy, reference = build_models(args.vocab, device)

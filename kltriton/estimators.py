@@ -100,10 +100,7 @@ def parse(estimator, *, ref_logits: bool = True, argument: str = "estimator") ->
 
 
 def check_kl_clamp(kl_clamp) -> Optional[float]:
-    if kl_clamp is None:
-        return None
-    if isinstance(kl_clamp, (torch.Tensor, bool)) or not isinstance(kl_clamp, (int, float)):
-        raise TypeError(f"kl_clamp must be a python float or None, got {type(kl_clamp).__name__}")
-    if not kl_clamp > 0:
-        raise ValueError(f"kl_clamp must be > 0, got {kl_clamp}")
-    return float(kl_clamp)
+    """``kl_clamp``: None (no clamp) or a finite float ``> 0``."""
+    from kltriton._inputs import check_float
+
+    return check_float("kl_clamp", kl_clamp, above=0.0, allow_none=True)

@@ -3,11 +3,10 @@
 Accepted wherever kltriton accepts logits (``kltriton.route`` sends it to the ``linear`` family, see
 ``kltriton.kernels.linear``).
 """
-import math
 
 import torch
 
-from kltriton._inputs import LOGIT_DTYPES, runtime_scalar
+from kltriton._inputs import LOGIT_DTYPES, check_float, runtime_scalar
 from kltriton.kernels.linear import Side
 
 
@@ -53,11 +52,8 @@ class LinearLogits:
                 raise TypeError(f"{name} must have the dtype of hidden ({hidden.dtype}), got {t.dtype}")
             if t is not None and t.device != hidden.device:
                 raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
-            raise TypeError(f"logit_scale must be a finite python float, got {logit_scale!r}")
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                    or not 0 < softcap < math.inf):
-            raise ValueError(f"softcap must be None or a finite python float > 0, got {softcap!r}")
+        logit_scale = check_float("logit_scale", logit_scale)
+        softcap = check_float("softcap", softcap, above=0.0, allow_none=True)
         if tile_elements is not None and (isinstance(tile_elements, bool) or not isinstance(tile_elements, int)
                                           or tile_elements < 1):
             raise ValueError(f"tile_elements must be None or an int >= 1, got {tile_elements!r}")

@@ -23,6 +23,7 @@ The collectives are ``torch.distributed._functional_collectives`` (``all_gather_
 a collective.
 """
 import math
+import os
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -56,6 +57,7 @@ class VocabShard(NamedTuple):
     start: Union[int, torch.Tensor]  # first global id of this rank's shard (0-dim int64 when learned on the device)
     size: int                        # V_local, this rank's number of ids
     vocab: Union[int, torch.Tensor]  # labels must be < vocab: the global V, or UNBOUNDED when not learned
+    spans: str = ""                  # the ranks' shards, for error messages ("rank 0: [0, 25), ..."), when known
 
 
 def _check_tiling(table, vocab_start):
@@ -84,6 +86,12 @@ def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[Vo
     if process_group is None:
         if vocab_start is not None:
             raise ValueError("vocab_start is only meaningful with a process_group")
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1 and dist.is_available() and not dist.is_initialized():
+            raise ValueError(f"process_group is None in a distributed launch (WORLD_SIZE={world}) before "
+                             "torch.distributed.init_process_group: dist.group.WORLD is None until then, so the call "
+                             "would run on this rank's shard alone. Initialize the process group first (or run "
+                             "without WORLD_SIZE for a single process).")
         return None
     if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
@@ -109,7 +117,8 @@ def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[Vo
     for entry in table:  # a rank that passed None takes the default start
         entry[0], lower = (lower if entry[0] < 0 else entry[0]), lower + entry[1]
     _check_tiling(table, vocab_start)
-    return VocabShard(process_group, table[rank][0], size, sum(entry[1] for entry in table))
+    spans = ", ".join(f"rank {r}: [{start}, {start + local})" for r, (start, local, _) in enumerate(table))
+    return VocabShard(process_group, table[rank][0], size, sum(entry[1] for entry in table), spans)
 
 
 def exchange_stats(local: StreamStats, has_label: torch.Tensor, wanted: int, group) -> Tuple[StreamStats, torch.Tensor]:

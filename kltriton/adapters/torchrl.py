@@ -32,6 +32,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from kltriton import controllers, token_kl, token_logprobs
 from kltriton import estimators
+from kltriton._inputs import check_float
 
 TOKENS = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
@@ -147,6 +148,11 @@ def _check_estimator(estimator, logits_available: bool) -> estimators.Estimator:
     if not logits_available and estimators.parse(estimator).needs_ref_logits:
         raise ValueError("estimator='full' needs both models' logits; this transform only sees log-probs")
     return estimators.parse(estimator)
+
+
+def _check_coef(name, coef):
+    """A KL coefficient: a tensor as it is, a number finite (a NaN would poison every reward)."""
+    return coef if isinstance(coef, torch.Tensor) else check_float(name, coef)
 
 
 def _check_padding_side(padding_side) -> str:
@@ -272,7 +278,7 @@ class KLComputation(Transform):
         self.ref_log_probs_full_key = ref_log_probs_full_key
         self.kl_key = kl_key
         self.add_to_reward = add_to_reward
-        self.coeff = coeff
+        self.coeff = _check_coef("coeff", coeff)
         # torchrl keeps padding_side without using it: the output has the layout of the input.
         self.padding_side = _check_padding_side(padding_side)
         self.estimator = _check_estimator(estimator, logits_available=False)
@@ -383,7 +389,7 @@ class RetrieveKL(Transform):
         self.ref_log_probs_full_key = ref_log_probs_full_key
         self.kl_key = kl_key
         self.add_to_reward = add_to_reward
-        self.coeff = coeff
+        self.coeff = _check_coef("coeff", coeff)
         self.estimator = _check_estimator(estimator, logits_available=True)
         self.kl_clamp = estimators.check_kl_clamp(kl_clamp)
         self._fallback = _Fallback(fused)
@@ -550,7 +556,7 @@ class KLRewardTransform(Transform):
             raise ValueError("The actor is configured to generate text, not compute the log-probs.")
         super().__init__(in_keys=in_keys + list(ref_model.in_keys), out_keys=out_keys)
         self.__dict__["ref_model"] = ref_model  # the caller's model, never moved or registered
-        self.register_buffer("coef", torch.as_tensor(coef))
+        self.register_buffer("coef", torch.as_tensor(_check_coef("coef", coef)))
         self.log_prob_full_key = log_prob_key
         self.device = device
         self.add_to_reward = add_to_reward

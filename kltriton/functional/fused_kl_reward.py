@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators, route
-from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
+from kltriton._inputs import build_layout, check_float, check_logits, check_temperature, runtime_scalar
 from kltriton.functional.token_kl import kl_of_target, ref_is_logits
 from kltriton.kernels import SKIP
 from kltriton.linear_logits import is_linear
@@ -60,9 +60,9 @@ def _check_coef(coef, logits):
         if coef.device != logits.device:
             raise ValueError(f"coef is on {coef.device} but logits are on {logits.device}")
         return coef.detach()
-    if not isinstance(coef, (int, float)):
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)):
         raise TypeError(f"coef must be a float or a 0-dim tensor, got {type(coef).__name__}")
-    return runtime_scalar(coef, logits.device)
+    return runtime_scalar(check_float("coef", coef), logits.device)
 
 
 def _check_rewards(rewards, logits):
@@ -79,12 +79,7 @@ def _check_rewards(rewards, logits):
 
 
 def _check_scores(scores, num_seqs, logits, score_clip):
-    if score_clip is not None:
-        if isinstance(score_clip, (torch.Tensor, bool)) or not isinstance(score_clip, (int, float)):
-            raise TypeError(f"score_clip must be a python float or None, got {type(score_clip).__name__}")
-        if not score_clip > 0:
-            raise ValueError(f"score_clip must be > 0, got {score_clip!r}")
-        score_clip = float(score_clip)
+    score_clip = check_float("score_clip", score_clip, above=0.0, allow_none=True)
     if scores is None:
         return None, score_clip
     if not isinstance(scores, torch.Tensor) or not scores.dtype.is_floating_point:
@@ -145,7 +140,7 @@ def fused_kl_reward(
     rewards = _check_rewards(rewards, logits)
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True, vocab=None if shard is None else shard.vocab)
+                          shift_labels=shift_labels, with_seq_index=True, shard=shard)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
                                       route.backend(backend, logits, ref), shard)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators, route
-from kltriton._inputs import build_layout, check_logits, check_temperature, runtime_scalar
+from kltriton._inputs import build_layout, check_float, check_logits, check_temperature, runtime_scalar
 from kltriton.functional.token_kl import ref_is_logits
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, terms
@@ -34,16 +34,6 @@ class PolicyLossOutput(NamedTuple):
 
 
 # --- argument checks ---------------------------------------------------------------------------
-
-def _check_float(name, value, minimum=None, strictly=False, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a python float{' or None' if allow_none else ''}, got {type(value).__name__}")
-    if minimum is not None and (value <= minimum if strictly else value < minimum):
-        raise ValueError(f"{name} must be {'>' if strictly else '>='} {minimum}, got {value}")
-    return float(value)
-
 
 def _check_per_token(name, tensor, shape, device, allow_none=True):
     if tensor is None:
@@ -110,6 +100,13 @@ def _masked_mean(values, scored, count):
     return torch.where(scored, values, torch.zeros_like(values)).sum() / count
 
 
+def _masked_extreme(values, scored, reduce, neutral):
+    """``reduce`` (``amax`` / ``amin``) over the scored entries; ``neutral`` where there are none (an empty
+    batch included: a reduction of zero elements has no value)."""
+    fill = torch.full((1,), neutral, dtype=values.dtype, device=values.device)
+    return reduce(torch.cat([torch.where(scored, values, fill), fill]))
+
+
 def _metrics(token, scored, entropy, is_info):
     count = scored.float().sum().clamp(min=1)
     any_scored = scored.any()
@@ -122,8 +119,8 @@ def _metrics(token, scored, entropy, is_info):
         "ppo_kl": _masked_mean(-log_ratio, scored, count),
         "kl_mean": _masked_mean(token.kl.float().detach(), scored, count),
         "entropy_mean": _masked_mean(entropy.float().detach(), scored, count),
-        "ratio_max": torch.where(any_scored, torch.where(scored, ratio, float("-inf")).max(), zero).detach(),
-        "ratio_min": torch.where(any_scored, torch.where(scored, ratio, float("inf")).min(), zero).detach(),
+        "ratio_max": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amax, float("-inf")), zero),
+        "ratio_min": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amin, float("inf")), zero),
     }
     if is_info is not None:
         weights, over, diff = is_info
@@ -207,17 +204,16 @@ def policy_loss(
         raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
     if is_mode is not None and rollout_logprobs is None:
         raise ValueError(f"is_mode={is_mode!r} needs rollout_logprobs")
-    clip_low = _check_float("clip_low", clip_low, 0.0)
-    clip_high = clip_low if clip_high is None else _check_float("clip_high", clip_high, 0.0)
-    dual_clip = _check_float("dual_clip", dual_clip, 1.0, strictly=True, allow_none=True)
+    clip_low = check_float("clip_low", clip_low, at_least=0.0)
+    clip_high = clip_low if clip_high is None else check_float("clip_high", clip_high, at_least=0.0)
+    dual_clip = check_float("dual_clip", dual_clip, above=1.0, allow_none=True)
     if dual_clip is not None and loss_type != "ppo":
         raise ValueError(f"dual_clip applies to loss_type='ppo' only, got loss_type={loss_type!r}")
-    kl_coef = _check_float("kl_coef", kl_coef)
-    entropy_coef = _check_float("entropy_coef", entropy_coef)
+    kl_coef = check_float("kl_coef", kl_coef)
+    entropy_coef = check_float("entropy_coef", entropy_coef)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
-    is_cap = _check_float("is_cap", is_cap, 0.0, strictly=True)
-    if horizon is not None and (isinstance(horizon, bool) or not isinstance(horizon, (int, float)) or horizon <= 0):
-        raise ValueError(f"horizon must be a positive number or None, got {horizon!r}")
+    is_cap = check_float("is_cap", is_cap, above=0.0)
+    horizon = check_float("horizon", horizon, above=0.0, allow_none=True)
 
     with_ref_logits = ref is not None and ref_is_logits(logits, ref)
     if ref is None and kl_coef != 0.0:
@@ -228,8 +224,7 @@ def policy_loss(
     temperature = check_temperature(temperature, device, logits.shape[:-1])
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True,
-                          vocab=None if shard is None else shard.vocab)
+                          shift_labels=shift_labels, with_seq_index=True, shard=shard)
     target, seq_index, num_seqs = layout.target, layout.seq_index, layout.num_seqs
     n = target.numel()
     acc = accumulation_dtype(logits.dtype)
@@ -251,6 +246,8 @@ def policy_loss(
     ref_logp_given = None if ref is None or with_ref_logits else _check_per_token("ref", ref, shape, device).to(acc)
 
     scored = target != SKIP
+    if ref_logp_given is not None:  # like every per-token output: 0 where not scored
+        ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
     agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
     hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),

@@ -115,7 +115,7 @@ def token_kl(
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
+                          shift_labels=shift_labels, shard=shard)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
                                       route.backend(backend, logits, ref), shard)
     return KLOutput(kl.view(layout.shape), logp.view(layout.shape), ref_logp.view(layout.shape))

@@ -53,7 +53,7 @@ def token_logprobs(
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, vocab=None if shard is None else shard.vocab)
+                          shift_labels=shift_labels, shard=shard)
     stats = route.statistics(logits, None, layout.target, temperature,
                              statistics.request(entropy=bool(return_entropy)), route.backend(backend, logits), shard)
     logp = stats.logp.view(layout.shape)

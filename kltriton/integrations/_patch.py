@@ -1,6 +1,18 @@
-"""Swap attributes of a library's modules and put them back: the apply/undo shared by every integration."""
+"""Swap attributes of a library's modules and put them back: the apply/undo shared by every integration.
+
+``apply()`` is all or nothing: the integration's ``install`` first resolves every target (importing the
+library, looking each attribute up) and records the changes on a ``Patch``; only when all of them resolved
+are they made. A library that lacks one (another version than the tested one) gets a clear error naming the
+attribute and the tested version, and nothing is changed.
+"""
+import importlib
+import importlib.metadata
 import sys
 from typing import Callable, List, Optional, Tuple
+
+
+class IntegrationError(RuntimeError):
+    """An integration cannot be applied to the installed library (nothing was changed)."""
 
 
 class Patch:
@@ -13,27 +25,49 @@ class Patch:
 
     def __init__(self, name: str):
         self.name = name
-        self.active = True
+        self.active = False
         self._swaps: List[Tuple[str, Callable, Callable]] = []  # (prefix, original, replacement)
-        self._attrs: List[Tuple[object, str, object]] = []      # (owner, attribute, original value)
+        self._attrs: List[Tuple[object, str, object, object]] = []  # (owner, attribute, original, new value)
+
+    @staticmethod
+    def resolve(owner, attribute: str):
+        """``owner.attribute``, or an ``AttributeError`` naming it (``apply`` turns it into an
+        ``IntegrationError``)."""
+        try:
+            return getattr(owner, attribute)
+        except AttributeError:
+            where = getattr(owner, "__module__", None) if isinstance(owner, type) else None
+            owner_name = f"{where}.{owner.__qualname__}" if where else getattr(owner, "__name__", repr(owner))
+            raise AttributeError(f"{owner_name}.{attribute}") from None
 
     def swap(self, prefix: str, original: Callable, replacement: Callable) -> None:
-        """Replace ``original`` by ``replacement`` in every loaded module whose name starts with ``prefix``."""
+        """Replace ``original`` by ``replacement`` in every loaded module whose name starts with ``prefix``
+        (recorded now, made by ``commit``)."""
         self._swaps.append((prefix, original, replacement))
-        _replace_everywhere(prefix, original, replacement)
 
     def set(self, owner, attribute: str, value) -> None:
-        """``setattr(owner, attribute, value)``, remembering the old value (owner: a class or module)."""
-        self._attrs.append((owner, attribute, owner.__dict__[attribute]))
-        setattr(owner, attribute, value)
+        """``setattr(owner, attribute, value)`` (owner: a class or module), recorded now, made by ``commit``."""
+        if attribute not in vars(owner):
+            self.resolve(owner, attribute)  # inherited or missing: missing raises, naming it
+            raise AttributeError(f"{getattr(owner, '__qualname__', owner)}.{attribute} is inherited, not defined "
+                                 "on it")
+        self._attrs.append((owner, attribute, vars(owner)[attribute], value))
+
+    def commit(self) -> None:
+        """Make every recorded change."""
+        for owner, attribute, _, value in self._attrs:
+            setattr(owner, attribute, value)
+        for prefix, original, replacement in self._swaps:
+            _replace_everywhere(prefix, original, replacement)
+        self.active = True
 
     def undo(self) -> None:
         """Restore everything; a second call does nothing."""
         if not self.active:
             return
         self.active = False
-        for owner, attribute, value in reversed(self._attrs):
-            setattr(owner, attribute, value)
+        for owner, attribute, original, _ in reversed(self._attrs):
+            setattr(owner, attribute, original)
         for prefix, original, replacement in reversed(self._swaps):
             _replace_everywhere(prefix, replacement, original)
 
@@ -50,20 +84,36 @@ class Patch:
 class Integration:
     """One library's ``apply()`` / ``undo()``: at most one active ``Patch`` at a time.
 
-    ``install(patch)`` imports the library and makes the changes through ``patch``.
+    ``install(patch)`` imports the library, resolves its targets and records the changes on ``patch``.
+    ``package`` / ``extra`` / ``tested``: the library's import name, kltriton's pip extra for it, and the
+    version the integration was tested with (for the error messages).
     """
 
-    def __init__(self, name: str, install: Callable[[Patch], None]):
-        self.name = name
+    def __init__(self, name: str, install: Callable[[Patch], None], *, package: str, extra: str, tested: str):
+        self.name, self.package, self.extra, self.tested = name, package, extra, tested
         self._install = install
         self.current: Optional[Patch] = None
 
     def apply(self) -> Patch:
-        """Make the library compute with kltriton. Returns a ``Patch``: ``.undo()`` or ``with apply(): ...``."""
+        """Make the library compute with kltriton. Returns a ``Patch``: ``.undo()`` or ``with apply(): ...``.
+        All or nothing: an ``IntegrationError`` (nothing changed) when a target is missing."""
         if self.current is not None and self.current.active:
             raise RuntimeError(f"kltriton's {self.name} integration is already applied; undo() it first")
+        try:
+            importlib.import_module(self.package)
+        except ImportError as err:
+            raise ImportError(f"kltriton's {self.name} integration needs {self.package} (tested with "
+                              f"{self.package} {self.tested}): pip install kltriton[{self.extra}] "
+                              f"({err})") from err
         patch = Patch(self.name)
-        self._install(patch)
+        try:
+            self._install(patch)
+        except (AttributeError, ImportError) as err:
+            what = f"it lacks {err}" if isinstance(err, AttributeError) else f"importing its modules failed ({err})"
+            raise IntegrationError(f"kltriton's {self.name} integration cannot patch {self.package} "
+                                   f"{_version(self.package)} (tested with {self.tested}): {what}. Nothing was "
+                                   "changed.") from err
+        patch.commit()
         self.current = patch
         return patch
 
@@ -71,6 +121,13 @@ class Integration:
         """Undo the current ``apply()`` (no-op when none is active)."""
         if self.current is not None:
             self.current.undo()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _replace_everywhere(prefix: str, old, new) -> None:

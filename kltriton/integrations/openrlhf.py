@@ -41,10 +41,10 @@ def _install(patch: Patch) -> None:
     """Make OpenRLHF compute log-probs and entropy with kltriton."""
     import openrlhf.models.utils as openrlhf_utils
 
-    patch.swap("openrlhf", openrlhf_utils.log_probs_from_logits, log_probs_from_logits)
-    patch.swap("openrlhf", openrlhf_utils.compute_entropy, compute_entropy)
+    patch.swap("openrlhf", patch.resolve(openrlhf_utils, "log_probs_from_logits"), log_probs_from_logits)
+    patch.swap("openrlhf", patch.resolve(openrlhf_utils, "compute_entropy"), compute_entropy)
 
 
-_integration = Integration("OpenRLHF", _install)
+_integration = Integration("OpenRLHF", _install, package="openrlhf", extra="openrlhf", tested="0.11.2")
 apply = _integration.apply
 undo = _integration.undo

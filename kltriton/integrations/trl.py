@@ -38,8 +38,8 @@ def _install(patch: Patch) -> None:
     from trl.trainer import grpo_trainer
 
     _logged.clear()  # each apply() logs each fallback reason once
-    trl_add_fused_lm_head = grpo_trainer.add_fused_lm_head
-    trl_compute_loss = grpo_trainer.GRPOTrainer._compute_loss
+    trl_add_fused_lm_head = patch.resolve(grpo_trainer, "add_fused_lm_head")
+    trl_compute_loss = patch.resolve(patch.resolve(grpo_trainer, "GRPOTrainer"), "_compute_loss")
 
     def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
         trl_add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32,
@@ -49,20 +49,24 @@ def _install(patch: Patch) -> None:
     def _compute_loss(self, model, inputs):
         reason = _why_trl_loss(self, inputs)
         if reason is not None:
-            _log_once(f"GRPOTrainer loss: TRL's own code, because {reason}")
+            _log_once(f"GRPOTrainer loss: TRL's own code (on kltriton's log-probs), because {reason}")
             return trl_compute_loss(self, model, inputs)
+        _log_once(f"GRPOTrainer loss: kltriton.policy_loss from the hidden states (TRL loss_type="
+                  f"{self.loss_type!r}, importance_sampling_level={self.importance_sampling_level!r}, "
+                  f"beta={self.beta})")
         return _kltriton_loss(self, model, inputs)
 
     patch.set(grpo_trainer, "add_fused_lm_head", add_fused_lm_head)
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
 
 
-_integration = Integration("TRL", _install)
+_integration = Integration("TRL", _install, package="trl", extra="trl", tested="1.16.0")
 apply = _integration.apply
 undo = _integration.undo
 
 
 def _log_once(message: str) -> None:
+    """One line per message and ``apply()``: what runs (kltriton's head, kltriton's loss or TRL's and why)."""
     if message not in _logged:
         _logged.add(message)
         logger.warning("kltriton: %s", message)
@@ -119,6 +123,8 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
 
     model.forward = types.MethodType(forward, model)
     model._kltriton_head_scaling = (logit_scale, softcap)
+    _log_once(f"{type(model).__name__} scores its {' and '.join(outputs)} with kltriton's LM head "
+              f"(logit_scale={logit_scale}, softcap={softcap})")
 
 
 def _score(hidden, weight, bias, labels, logit_scale, softcap, temperature, with_entropy, num_items_in_batch):

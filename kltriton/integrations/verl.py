@@ -44,11 +44,11 @@ def _install(patch: Patch) -> None:
     """Make verl compute log-probs and entropy with kltriton."""
     import verl.utils.torch_functional as verl_F
 
-    patch.swap("verl", verl_F.logprobs_from_logits, logprobs_from_logits)
-    patch.swap("verl", verl_F.entropy_from_logits, entropy_from_logits)
-    patch.swap("verl", verl_F.entropy_from_logits_with_chunking, entropy_from_logits_with_chunking)
+    patch.swap("verl", patch.resolve(verl_F, "logprobs_from_logits"), logprobs_from_logits)
+    patch.swap("verl", patch.resolve(verl_F, "entropy_from_logits"), entropy_from_logits)
+    patch.swap("verl", patch.resolve(verl_F, "entropy_from_logits_with_chunking"), entropy_from_logits_with_chunking)
 
 
-_integration = Integration("verl", _install)
+_integration = Integration("verl", _install, package="verl", extra="verl", tested="0.9.1")
 apply = _integration.apply
 undo = _integration.undo

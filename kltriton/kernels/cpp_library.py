@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kltriton._env import check_flags, env_flag
 from kltriton.kernels.constants import (CPP_HEADERS, CPP_LINK_FLAGS, CPP_SOURCES, CPU_CAPABILITIES,
                                         cpp_compile_flags)
 
@@ -130,7 +131,7 @@ def aot_library_path() -> Path | None:
     ``KLTRITON_BUILD_CPP=1`` at ``pip install --no-build-isolation`` builds it (see setup.py).
     A library built for a CPU capability this machine lacks is ignored (never loaded).
     """
-    if os.environ.get("KLTRITON_CPP_AOT", "1") == "0":
+    if not env_flag("KLTRITON_CPP_AOT", True):
         return None
     pkg = _package_dir()
     here = _CAP_RANK[cpu_capability()]
@@ -208,7 +209,7 @@ def _jit_build(src: Path) -> str:
                 extra_include_paths=[str(src)],
                 build_directory=str(build_dir),
                 is_python_module=False,
-                verbose=os.environ.get("KLTRITON_VERBOSE_BUILD", "0") == "1",
+                verbose=env_flag("KLTRITON_VERBOSE_BUILD", False),
             )
         except Exception as err:
             tail = str(err).strip().splitlines()[-12:]
@@ -245,6 +246,7 @@ def _load_impl() -> str:
 
 def load() -> str:
     """Load (building if needed) the C++ ops once per process; returns how. Raises ``CppUnavailable``."""
+    check_flags()  # a mistyped flag is an error naming it, not a silent fallback
     with _lock:
         if _state["loaded"]:
             return _state["how"]
@@ -297,6 +299,15 @@ def availability(build: bool = True) -> tuple[bool, str]:
         return True, load()
     except CppUnavailable as err:
         return False, str(err)
+
+
+def empty_cache() -> int:
+    """Give the C++ backend's cached gradient buffer (``csrc/gradient_buffer.cpp``) back to the OS, as
+    ``torch.cuda.empty_cache()`` does for CUDA's caching allocator; returns the bytes released (0 when the
+    library is not loaded or holds none). Gradients still in use are not affected."""
+    if not _state["loaded"]:
+        return 0
+    return int(torch.ops.kltriton_cpp.empty_gradient_cache())
 
 
 def _reset_for_tests() -> None:

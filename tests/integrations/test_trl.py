@@ -89,12 +89,16 @@ def _assert_same_metrics(trl_logs, kl_logs):
             assert a.get(key) == b.get(key), (step, "completions differ", key, a.get(key), b.get(key))
 
 
-def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch):
+def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch, caplog):
     trl_logs = _train(model_dir, tmp_path / "trl")
     logprobs = CallCounter(monkeypatch, "token_logprobs")
     losses = CallCounter(monkeypatch, "policy_loss")
-    with kl_trl.apply():
+    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
         kl_logs = _train(model_dir, tmp_path / "kltriton")
+    # One line each says what runs: kltriton's head on both models, kltriton's loss.
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("LlamaForCausalLM scores its log_probs and entropy with kltriton's LM head" in line for line in lines)
+    assert sum("GRPOTrainer loss: kltriton.policy_loss" in line for line in lines) == 1, lines
     # The test can fail: clipping happened, the KL moved off zero, training moved the model.
     assert any(log["clip_ratio/region_mean"] > 0 for log in trl_logs)
     assert all(log["kl"] > 0 for log in trl_logs[1:])

@@ -6,6 +6,8 @@ values follow ``helpers.value_atol`` of the oracle logits plus the GEMM's fp32 a
 (``d_weight``) of logits gradients each within ``grad_tols``, so its bound is that per-element bound times
 the summed magnitude of the other factor, plus the rounding to the parameter's dtype (``STORE_RTOL``).
 """
+import os
+
 import pytest
 import torch
 
@@ -330,3 +332,56 @@ def test_large_vocab(tile):
     gw, = torch.autograd.grad(logp.sum(), w)
     want, = torch.autograd.grad(ls.gather(-1, labels[:, None]).sum(), w)
     assert_close(gw, want, 1e-5, 1e-4, what="d_weight")
+
+
+PEAK_CHILD = """
+import gc, sys, torch, kltriton
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+backend, mode = sys.argv[1], sys.argv[2]
+n, vocab, hidden = 2048, 32000, 256
+torch.manual_seed(0)
+h, w = torch.randn(n, hidden), torch.randn(vocab, hidden) / hidden ** 0.5
+labels = torch.randint(0, vocab, (n,))
+kltriton.set_validation(False)
+def call():
+    hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+    if mode == "forward":
+        with torch.no_grad():
+            return kltriton.token_logprobs(kltriton.LinearLogits(hh, ww), labels, backend=backend)
+    out = kltriton.token_logprobs(kltriton.LinearLogits(hh, ww), labels, backend=backend)
+    return torch.autograd.grad(out.sum(), (hh, ww))
+call()
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+result = call()
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("mode", ["forward", "fwd_bwd"])
+@pytest.mark.parametrize("backend_name", ["reference", "cpp"])
+def test_peak_memory_holds_the_tile_budget(backend_name, mode):
+    """Peak extra memory of a LinearLogits call (2048 tokens, H 256, V 32000, fp32, the default 32 MiB tile):
+    the forward one working tile, the forward + backward two tiles (the tile and its gradient) plus the weight
+    gradient, each with at most 16 MiB besides (the reference's chunked temporaries, the O(N) state). Measured
+    as the peak resident size of a fresh process (VmHWM) with large allocations returned to the OS at once."""
+    if backend_name == "cpp" and not dispatch.availability("cpp", "linear")[0]:
+        pytest.skip("C++ backend unavailable")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", KLTRITON_CPU_GRAD_CACHE="0")
+    env.pop("KLTRITON_LINEAR_TILE", None)
+    out = subprocess.run([sys.executable, "-c", PEAK_CHILD, backend_name, mode], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = int(out.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    tile = 256 * 32000 * 4  # tiles.plan(32000, 2**23): 256 rows x the whole vocab, fp32
+    weight_grad = 32000 * 256 * 4
+    budget = tile if mode == "forward" else 2 * tile + weight_grad
+    assert peak <= budget + 16 * mib, f"{peak / mib:.1f} MiB > {(budget + 16 * mib) / mib:.1f} MiB"

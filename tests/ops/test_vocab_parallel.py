@@ -291,6 +291,10 @@ def case_bad_input(shard, backend, dtype):
     bad = labels.clone()
     bad[2] = shard.vocab
     _raises(ValueError, f"V={shard.vocab}", lambda: call(labels=bad))
+    # The error names the shards the ranks hold: they cover [0, V) together, not the label's vocabulary.
+    spans = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in enumerate(
+        (sum(SHARDS[2][:r]), sum(SHARDS[2][:r + 1])) for r in range(2)))
+    _raises(ValueError, spans, lambda: call(labels=bad))
     _raises(ValueError, "same leading shape", lambda: kltriton.token_logprobs(
         part[: 5 - shard.rank], labels[: 5 - shard.rank], process_group=group))
     _raises(ValueError, "process_group", lambda: kltriton.token_logprobs(part, labels, vocab_start=0))

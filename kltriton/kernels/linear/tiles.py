@@ -5,9 +5,9 @@ Rows are projected in tiles of a fixed shape ``[tile_rows, vocab_tile]`` (the la
 with ``SKIP`` rows), so a row's logits come from a GEMM of the same shape whatever ``N``, its place
 or the number of scored rows (batch invariance: BLAS libraries pick other kernels for other shapes).
 """
-import os
-
 import torch
+
+from kltriton._env import env_int
 
 from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, wanted as loss_wanted
@@ -22,8 +22,8 @@ MIN_ROWS, MAX_ROWS, ROW_MULTIPLE = 64, 1024, 16
 
 
 def default_tile_elements(device_type: str) -> int:
-    env = os.environ.get("KLTRITON_LINEAR_TILE")
-    return int(env) if env else DEFAULT_TILE.get(device_type, DEFAULT_TILE_CPU)
+    """``KLTRITON_LINEAR_TILE``, else the device's default (elements of the working tile)."""
+    return env_int("KLTRITON_LINEAR_TILE") or DEFAULT_TILE.get(device_type, DEFAULT_TILE_CPU)
 
 
 def plan(vocab: int, tile_elements: int):
@@ -199,16 +199,15 @@ def bind(stream):
                 here = tile_basis._replace(label=torch.where(inside, tile_basis.label, 0))
                 grad = stream.backward(tile, ref_tile, local, temp, tile_lse, tile_ref_lse, here)
                 _chain(policy, tile, grad)
-                if dense:
-                    if want_x:
-                        d_tile[:, v0:v1] = grad
-                    continue
-                if want_x:
+                if dense and want_x:
+                    d_tile[:, v0:v1] = grad
+                if not dense and want_x:
                     _add_mm(d_tile, grad, pol.weight(v0, v1))
                 if want_weight:
                     _add_mm(d_weight[v0:v1], grad.T, pol.x)
                 if want_bias:
                     d_bias[v0:v1] += grad.sum(0)
+                del grad  # freed before the next tile's gradient is allocated: one gradient tile at a time
             if want_x:
                 d_x_rows[idx] = d_tile[:m].to(d_x.dtype)
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
@@ -264,6 +263,7 @@ def bind_loss(loss):
                 _add_mm(d_weight, grad.T, pol.x)
             if want_bias:
                 d_bias += grad.sum(0)
+            del grad  # freed before the next tile's gradient is allocated: one gradient tile at a time
         bad = target == OUT_OF_RANGE
         for name in ("logp", "entropy", "ref_logp", "full_kl"):
             dst = getattr(stats, name)

@@ -10,7 +10,7 @@ from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels.rows import as_rows3d, num_rows
 from kltriton.kernels.statistics import StreamStats, empty_stats
 
-CHUNK_ELEMENTS = 1 << 22  # rows per chunk = CHUNK_ELEMENTS // V (about 32 MiB of fp64 per temporary)
+CHUNK_ELEMENTS = 1 << 19  # rows per chunk = CHUNK_ELEMENTS // V (2 MiB of fp32, 4 MiB of fp64 per temporary)
 
 
 def _chunks(n_rows: int, vocab: int):
@@ -32,15 +32,14 @@ def _row_temperature(temperature: torch.Tensor, rows: torch.Tensor, dtype: torch
 
 
 def _log_softmax_rows(rows: torch.Tensor, temperature: torch.Tensor):
-    """``(log_softmax(rows / T), logsumexp(rows / T))`` of ``[R, V]`` rows, as torch's own log_softmax:
-    the row max is subtracted before scaling, so the error follows ``|x - max| / T``, not ``|x| / T``
-    (logits of +-1e30 with ties give exactly ``-log(ties)``). A NaN or +inf logit gives a NaN row;
-    an all ``-inf`` row gives ``lse = -inf`` and NaN log-probs."""
+    """``(log_softmax(rows / T), logsumexp(rows / T))`` of ``[R, V]`` rows by torch's own ``log_softmax`` (so at
+    least as exact as it) of ``(rows - max) / T``: the row max is subtracted before scaling, so the error follows
+    ``|x - max| / T``, not ``|x| / T`` (logits of +-1e30 with ties give exactly ``-log(ties)``). A NaN or +inf
+    logit gives a NaN row; an all ``-inf`` row gives ``lse = -inf`` and NaN log-probs."""
     m = rows.amax(dim=-1, keepdim=True)
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # all -inf: -inf - -inf would be NaN
     shifted = (rows - m) / temperature
-    lse_shifted = torch.logsumexp(shifted, dim=-1, keepdim=True)
-    return shifted - lse_shifted, (m / temperature + lse_shifted).squeeze(1)
+    return torch.log_softmax(shifted, dim=-1), (m / temperature + torch.logsumexp(shifted, dim=-1, keepdim=True)).squeeze(1)
 
 
 def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
