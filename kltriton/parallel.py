@@ -383,10 +383,9 @@ class _ShardTruncated(torch.autograd.Function):
     one all-gather, merge (they merge as the ``stream`` statistics do); backward without communication."""
 
     @staticmethod
-    def forward(ctx, logits, target, temperature, floor, wanted, backend, group, start):
+    def forward(ctx, logits, target, temperature, knobs, floor, wanted, backend, group, start):
         kernel_target, own = _localize(target, start, logits.shape[-1], 0)
-        local = StreamStats(*truncation_ops.truncated_forward(logits, kernel_target, temperature, floor, wanted,
-                                                               backend))
+        _, local = truncation_ops.truncated_forward(logits, kernel_target, temperature, knobs, floor, wanted, backend)
         stats, backward_target = _global_stats(local, target, kernel_target, own, wanted, group)
         ctx.save_for_backward(logits, backward_target, temperature, floor, own, *stats)
         ctx.backend = backend
@@ -403,12 +402,12 @@ class _ShardTruncated(torch.autograd.Function):
         basis = basis._replace(label=torch.where(own, basis.label, 0))
         grad = truncation_ops.truncated_backward(logits, target, temperature, floor, stats.lse, basis.label, basis.p,
                                                  basis.p_logp, ctx.backend)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def shard_truncated(logits, target, temperature, knobs, wanted, backend, shard: VocabShard) -> StreamStats:
     """``truncation`` statistics (recompute mode) of the full rows from this rank's shard ``logits [..., V_local]``;
     every rank of ``shard.group`` calls it with the same ``target``, ``temperature`` and knobs."""
     floor = shard_floor(logits, target, temperature, knobs, shard.group)
-    return StreamStats(*_ShardTruncated.apply(logits, target, temperature, floor, wanted, backend, shard.group,
+    return StreamStats(*_ShardTruncated.apply(logits, target, temperature, knobs, floor, wanted, backend, shard.group,
                                               shard.start))

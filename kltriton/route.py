@@ -20,7 +20,7 @@ Truncated statistics (``truncation=``, the policy side; ``truncated_statistics``
 
 | truncation | logits           | vocab-sharded | route                                                          |
 |------------|------------------|---------------|----------------------------------------------------------------|
-| recompute  | tensors          | no            | ``ops.truncation``: ``truncation_floor``, ``truncated_forward``  |
+| recompute  | tensors          | no            | ``ops.truncation.truncated_forward`` (floor and statistics per row) |
 | recompute  | tensors          | yes           | ``parallel.shard_truncated`` (floor by all-reduced counts / masses) |
 | recompute  | ``LinearLogits`` | either        | ``kernels.truncation.linear``: tiles of rows, each the tensor route |
 | replay     | tensors          | either        | ``kernels.truncation.replay``: a K-column gather (summed over ranks) |
@@ -150,8 +150,7 @@ def truncated_statistics(logits, target, temperature, truncation, layout, wanted
         name = backend(backend_name, rows, family_name="truncation")
         if vocab_shard is not None:
             return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, wanted, name, vocab_shard)
-        floor = truncation_ops.truncation_floor(rows, row_target, row_temperature, *row_knobs, name)
-        return StreamStats(*truncation_ops.truncated_forward(rows, row_target, row_temperature, floor, wanted, name))
+        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, wanted, name)[1]
 
     if not is_linear(logits):
         return dense(logits, target, temperature, knobs)

@@ -1,7 +1,7 @@
-"""The ``truncation`` family as custom ops: ``kltriton::truncation_floor`` (the kept set of each row, no
-gradient) and ``kltriton::truncated_forward`` / ``truncated_backward`` (the statistics of the rows restricted to
-their kept set, differentiable). Kernel: ``kltriton.dispatch.implementation("truncation", backend)``."""
-from typing import Optional
+"""The ``truncation`` family as custom ops: ``kltriton::truncated_forward`` (each row's kept set, found from the
+knobs or given as a floor, and the statistics of the row restricted to it; differentiable) and
+``kltriton::truncated_backward``. Kernel: ``kltriton.dispatch.implementation("truncation", backend)``."""
+from typing import Optional, Tuple
 
 import torch
 
@@ -11,37 +11,26 @@ from kltriton.kernels.statistics import Basis
 from kltriton.ops._define import define_op
 
 
-def _floor(
-    logits: torch.Tensor,       # [..., V]
-    target: torch.Tensor,       # [N] int64
-    temperature: torch.Tensor,  # float64 [] or [N]
-    top_k: torch.Tensor,        # [N] int64, 0: off
-    top_p: torch.Tensor,        # [N] float64, 1: off
-    min_p: torch.Tensor,        # [N] float64, 0: off
-    backend: str,
-) -> torch.Tensor:
-    return dispatch.implementation("truncation", backend).floor(logits.detach(), target, temperature, top_k, top_p,
-                                                                min_p)
-
-
-truncation_floor = define_op("truncation_floor", _floor, outputs=("floor",),
-                             fake=lambda logits, target, *rest: logits.new_empty(target.shape, dtype=torch.float32))
-
-
 def _forward(
-    logits: torch.Tensor,       # [..., V]
-    target: torch.Tensor,       # [N] int64
-    temperature: torch.Tensor,  # float64 [] or [N]
-    floor: torch.Tensor,        # [N] float32: keep x >= floor
-    wanted: int,                # 0 or ENTROPY
+    logits: torch.Tensor,           # [..., V]
+    target: torch.Tensor,           # [N] int64
+    temperature: torch.Tensor,      # float64 [] or [N]
+    top_k: torch.Tensor,            # [N] int64, 0: off
+    top_p: torch.Tensor,            # [N] float64, 1: off
+    min_p: torch.Tensor,            # [N] float64, 0: off
+    floor: Optional[torch.Tensor],  # [N] float32 (keep x >= floor), or None: found from the knobs
+    wanted: int,                    # 0 or ENTROPY
     backend: str,
-) -> statistics.StatsTuple:
-    return tuple(dispatch.implementation("truncation", backend).forward(logits, target, temperature, floor, wanted))
+) -> Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES))]:
+    floor, stats = dispatch.implementation("truncation", backend).forward(logits, target, temperature, top_k, top_p,
+                                                                          min_p, floor, wanted)
+    return (floor, *stats)
 
 
-def _forward_fake(logits, target, temperature, floor, wanted, backend):
+def _forward_fake(logits, target, temperature, top_k, top_p, min_p, floor, wanted, backend):
     acc = accumulation_dtype(logits.dtype)
-    return tuple(statistics.empty_stats(target.shape[0], wanted, lambda size: logits.new_empty(size, dtype=acc)))
+    stats = statistics.empty_stats(target.shape[0], wanted, lambda size: logits.new_empty(size, dtype=acc))
+    return (logits.new_empty(target.shape, dtype=torch.float32), *stats)
 
 
 def _backward_kernel(
@@ -75,11 +64,18 @@ def outside_free(grads: dict, logp: torch.Tensor) -> dict:
 def _backward(saved, grads):
     stats = statistics.StreamStats(*(getattr(saved, name) for name in statistics.NAMES))
     basis = statistics.gradient_basis(outside_free(grads, stats.logp), stats, saved.temperature)
-    return {"logits": truncated_backward(saved.logits, saved.target, saved.temperature, saved.floor, stats.lse,
+    return {"logits": truncated_backward(saved.logits, saved.target, saved.temperature, saved.kept_floor, stats.lse,
                                          basis.label, basis.p, basis.p_logp, saved.backend)}
 
 
-truncated_forward = define_op(
-    "truncated_forward", _forward, outputs=statistics.NAMES, fake=_forward_fake,
-    save=("logits", "target", "temperature", "floor", "backend", *statistics.NAMES), backward=_backward,
+_forward_op = define_op(
+    "truncated_forward", _forward, outputs=("kept_floor", *statistics.NAMES), fake=_forward_fake,
+    save=("logits", "target", "temperature", "kept_floor", "backend", *statistics.NAMES), backward=_backward,
     materialize_grads=False)
+
+
+def truncated_forward(logits, target, temperature, knobs, floor, wanted: int, backend: str):
+    """``(floor [N], StreamStats)`` of the rows restricted to their kept set: ``floor`` None finds it from ``knobs``
+    (``kltriton.truncation.RowKnobs``) row by row, a given ``floor`` is used as it is."""
+    out = _forward_op(logits, target, temperature, *knobs, floor, wanted, backend)
+    return out[0], statistics.StreamStats(*out[1:])

@@ -10,7 +10,7 @@ Backends: ``reference.py`` (PyTorch, any float dtype; sorts the row: the oracle)
 ``triton.py`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), which find the floor by selection without
 sorting the row. Each provides:
 
-``floor(logits, target, temperature, top_k, top_p, min_p) -> [N] float32``
+The floor of a row (returned by ``forward``, ``[N]`` float32):
     logits, target, temperature: as the ``stream`` family (``kltriton.kernels.stream``).
     top_k: ``[N]`` int64, ``0`` off (else ``1 <= k < V``); top_p: ``[N]`` float64 in ``(0, 1]``, ``1`` off;
     min_p: ``[N]`` float64 in ``[0, 1]``, ``0`` off. With ``z = x / T`` and ``p = softmax(z)``, in vLLM v1's
@@ -21,11 +21,11 @@ sorting the row. Each provides:
     alone: the smallest fp32 ``>=`` its exact threshold), ``-inf`` where nothing is cut or the row is not
     read (``target < 0``), NaN where the row has a NaN or ``+inf`` logit.
 
-``forward(logits, target, temperature, floor, wanted) -> StreamStats``
-    The ``stream`` statistics (``logp``, ``lse``, ``entropy`` when ``wanted`` has ``ENTROPY``; ``wanted`` has no
+``forward(logits, target, temperature, top_k, top_p, min_p, floor, wanted) -> (floor, StreamStats)``
+    ``floor`` None: each row's floor from the knobs, then (the row still in cache) the ``stream`` statistics (``logp``, ``lse``, ``entropy`` when ``wanted`` has ``ENTROPY``; ``wanted`` has no
     other bit) of each row with the logits below ``floor`` read as ``-inf``: the log-prob of the renormalized
     truncated distribution, ``-inf`` where the label is below the floor. ``floor = -inf`` gives the ``stream``
-    family's results bit for bit.
+    family's results bit for bit. A given ``floor`` (vocab-parallel: found over the shards) is used as it is.
 
 ``backward(logits, target, temperature, floor, lse, basis) -> grad``
     The ``stream`` backward (``basis.p_logq`` is None) of those restricted rows: zero below the floor.

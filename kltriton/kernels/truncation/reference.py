@@ -68,7 +68,12 @@ def _masked(logits, floor_rows):
     return torch.where(x >= floor_rows[:, None].to(x.dtype), x, torch.full_like(x, -math.inf))
 
 
-def forward(logits, target, temperature, floor, wanted):
+def forward(logits, target, temperature, top_k, top_p, min_p, given_floor, wanted):
+    kept_floor = floor(logits, target, temperature, top_k, top_p, min_p) if given_floor is None else given_floor
+    return kept_floor, _restricted(logits, target, temperature, kept_floor, wanted)
+
+
+def _restricted(logits, target, temperature, floor, wanted):
     n, vocab = num_rows(logits), logits.shape[-1]
     rows3d = as_rows3d(logits)
     parts = []
