@@ -22,9 +22,10 @@ def _forward(
     wanted: int,                    # 0 or ENTROPY
     backend: str,
 ) -> Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES))]:
+    given = floor
     floor, stats = dispatch.implementation("truncation", backend).forward(logits, target, temperature, top_k, top_p,
                                                                           min_p, floor, wanted)
-    return (floor, *stats)
+    return (floor.clone() if floor is given else floor, *stats)  # an output may not alias an input
 
 
 def _forward_fake(logits, target, temperature, top_k, top_p, min_p, floor, wanted, backend):

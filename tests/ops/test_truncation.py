@@ -271,3 +271,48 @@ def test_bad_input():
     before = logits.clone()
     kltriton.token_logprobs(logits, labels, truncation=T(top_k=3, top_p=0.5))
     assert torch.equal(before, logits)
+
+
+def _vocab_parallel_worker(rank, world, init_file, report_dir):
+    import json
+    import os
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    sizes = {2: (300, 207), 3: (400, 300, 301)}[world]            # uneven shards
+    start, stop = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    gen = torch.Generator().manual_seed(0)
+    x = distinct_logits((4, 5, sum(sizes)), generator=gen).float()
+    labels = x.argmax(-1)
+    labels[0, 0] = x[0, 0].argmin()
+    report = {}
+    for name, truncation in (("recompute", kltriton.Truncation(top_k=40, top_p=0.9, min_p=0.01)),
+                             ("replay", kltriton.Truncation(support=x.topk(30).indices))):
+        full, part = x.clone().requires_grad_(), x[..., start:stop].clone().requires_grad_()
+        a = kltriton.token_logprobs(full, labels, temperature=0.9, truncation=truncation, backend="cpp")
+        b = kltriton.token_logprobs(part, labels, temperature=0.9, truncation=truncation, backend="cpp",
+                                    process_group=dist.group.WORLD)
+        a.masked_fill(a.isinf(), 0).sum().backward()
+        b.masked_fill(b.isinf(), 0).sum().backward()
+        same = torch.equal(a.isinf(), b.isinf()) and torch.allclose(a[a.isfinite()], b[b.isfinite()], atol=1e-5)
+        report[name] = same and torch.allclose(full.grad[..., start:stop], part.grad, atol=1e-6)
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_vocab_parallel_gloo(world):
+    import json
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+    if not kltriton.dispatch.availability("cpp", "truncation")[0]:
+        pytest.skip("the C++ backend is unavailable")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_vocab_parallel_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world)
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                assert json.load(f) == {"recompute": True, "replay": True}
