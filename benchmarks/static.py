@@ -1,7 +1,8 @@
 """Static report of the compiled Triton kernels: ``python -m benchmarks static [--out DIR]``.
 
 Compiles every kernel variant of ``kltriton.kernels.stream.triton`` (and the loss family's fused kernel,
-``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
+``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``, and the truncation family's kernels,
+``kltriton.kernels.truncation.triton``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
 default; no GPU needed) with the launch settings ``forward`` / ``backward`` would use, disassembles the
 cubin with the ``cuobjdump`` Triton ships, and reports per variant: registers, spills (local memory,
 STL/LDL), shared memory, the vocab loop's SASS instruction count per element handled by a thread,
@@ -31,8 +32,10 @@ QUICK = ((151936, "bf16"), (50257, "fp32"), (32000, "fp16"))
 def _arg_type(name, dtype, ref_dtype=None):
     if name == "target_ptr":
         return "*i64"
-    if name in ("temperature_ptr", "hp_ptr"):
+    if name in ("temperature_ptr", "hp_ptr", "top_p_ptr", "min_p_ptr"):
         return "*fp64"
+    if name == "top_k_ptr":
+        return "*i64"
     if name == "ref_ptr":
         return "*" + (ref_dtype or dtype)
     if name in ("logits_ptr", "grad_ptr"):
@@ -143,17 +146,19 @@ def analyse(compiled, elements_per_thread):
 def _kernel(name):
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
+    from kltriton.kernels.truncation import triton as tt
 
-    return getattr(ts, name, None) or getattr(tl_loss, name)
+    return getattr(ts, name, None) or getattr(tl_loss, name, None) or getattr(tt, name)
 
 
 def _tasks(cases):
     """(vocab, dtype, kernel name, Launch, variant name, absent arguments) of every compile."""
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
+    from kltriton.kernels.truncation import triton as tt
 
     for vocab, dtype in cases:
-        for module in (ts, tl_loss):
+        for module in (ts, tl_loss, tt):
             for kernel_name, launch, name, absent in module.launches(vocab, BYTES[dtype]):
                 yield vocab, dtype, kernel_name, launch, name, absent
 
@@ -203,7 +208,9 @@ def problems(rows):
         if r["spill_bytes"] or r["spill_instructions"]:
             found.append(f"{where}: spills ({r['spill_bytes']} bytes local memory)")
         reads_logits = r["kernel"] != "_stream_combine_kernel"
-        if reads_logits and r["vocab"] % 16 == 0 and r["loop_load_bits"] and max(r["loop_load_bits"]) < 128:
+        # the truncation family's census reads 4 entries per thread in every dtype (8-byte loads in 16-bit ones)
+        census = r["kernel"] == "_truncated_forward_kernel" and "+floor" not in r["variant"] and r["dtype"] != "fp32"
+        if reads_logits and not census and r["vocab"] % 16 == 0 and r["loop_load_bits"] and max(r["loop_load_bits"]) < 128:
             found.append(f"{where}: no 128-bit loads in the vocab loop ({r['loop_load_bits']})")
         if "backward" not in r["kernel"] and r["loop_barriers"]:
             found.append(f"{where}: {r['loop_barriers']} barriers inside the vocab loop")

@@ -1,8 +1,8 @@
-// The truncation family's ops on the CPU: truncated_forward finds each row's floor (truncation.h) and, the row
-// still in cache, its statistics restricted to the kept set (forward_row with FLOOR); truncated_backward writes
+// The truncation family's ops on the CPU: truncated_forward finds each row's floor (truncation.h) and the
+// statistics restricted to the kept set (forward_row with FLOOR over the gathered list that holds it, or over the
+// row when the floor is given or nothing is cut); truncated_backward writes
 // the gradient of those restricted rows (backward_row with FLOOR). Rows in parallel.
 #include "row_backward.h"
-#include "row_forward.h"
 #include "truncation.h"
 
 namespace kltriton_cpp {
@@ -47,7 +47,7 @@ std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::
     with_mode<0, kEntropy>(static_cast<int>(wanted), [&](auto m) {
       constexpr int MODE = decltype(m)::value;
       at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
-        std::vector<float> cand;
+        TruncationScratch scratch;
         for (int64_t n = begin; n < end; ++n) {
           const int64_t tg = tgt[n];
           RowOut r;
@@ -59,8 +59,16 @@ std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::
             double lo;
             temp.inverse(n, hi, lo);
             const T* x = X.row<T>(n);
-            if (!given) fl[n] = row_floor<T>(x, V, temp.t[temp.per_row ? n : 0], Knobs{kk[n], pp[n], mp[n]}, cand);
-            r = forward_row<T, T, MODE, true>(x, nullptr, V, tg, hi, lo, fl[n]);
+            int64_t kept = 0;
+            if (!given) {
+              fl[n] = row_floor<T>(x, V, temp.t[temp.per_row ? n : 0], Knobs{kk[n], pp[n], mp[n]}, scratch, &kept);
+            }
+            if (kept > 0) {  // the list holds every logit >= the floor; the label's logit goes after it
+              scratch.list[kept] = static_cast<float>(x[tg]);
+              r = forward_row<float, float, MODE, true>(scratch.list.data(), nullptr, kept, kept, hi, lo, fl[n]);
+            } else {
+              r = forward_row<T, T, MODE, true>(x, nullptr, V, tg, hi, lo, fl[n]);
+            }
           }
           for (int i = 0; i < kNumStats; ++i) {
             if (out[i] != nullptr) out[i][n] = r.v[i];

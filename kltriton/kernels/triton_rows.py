@@ -221,24 +221,34 @@ def merge(state, c2, WANT: tl.constexpr):
 
 
 @triton.jit
+def below_floor_absent(x, floor):
+    """``x`` with the logits below ``floor`` read as ``-inf`` (the truncation family's kept set); ``floor`` None:
+    ``x`` (a compile-time choice). A NaN floor (a NaN or ``+inf`` logit in the row) masks nothing."""
+    if floor is not None:
+        x = tl.where(x < floor, NEG_INF, x)
+    return x
+
+
+@triton.jit
 def stream_chunk(x_row, y_row, lo, hi, c2, WANT: tl.constexpr, SUBTILES: tl.constexpr, LANES: tl.constexpr,
-                 VEC: tl.constexpr):
+                 VEC: tl.constexpr, floor=None):
     """Merged state of vocab entries ``[lo, hi)`` of one row: full tiles without a mask (16-byte loads
-    wherever the row is 16-byte aligned), then one masked tail tile."""
+    wherever the row is 16-byte aligned), then one masked tail tile. ``floor`` (fp32, or None): the policy's
+    logits below it are read as ``-inf`` (``below_floor_absent``)."""
     BLOCK: tl.constexpr = SUBTILES * LANES * VEC
     tile = (tl.arange(0, SUBTILES)[:, None, None] * (LANES * VEC) + tl.arange(0, LANES)[None, :, None] * VEC
             + tl.arange(0, VEC)[None, None, :])
     state = empty_state(LANES)
     full_end = lo + (hi - lo) // BLOCK * BLOCK
     for start in range(lo, full_end, BLOCK):
-        x = tl.load(x_row + start + tile).to(tl.float32)
+        x = below_floor_absent(tl.load(x_row + start + tile).to(tl.float32), floor)
         y = x  # stands for the reference tile when there is none (never used then)
         if WANT_REF & WANT:
             y = tl.load(y_row + start + tile).to(tl.float32)
         state = fold(x, y, state, c2, WANT)
     if full_end < hi:
         offs = full_end + tile
-        x = tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
+        x = below_floor_absent(tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32), floor)
         y = x
         if WANT_REF & WANT:
             y = tl.load(y_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)

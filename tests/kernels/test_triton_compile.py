@@ -6,7 +6,8 @@ target without a device, so every kernel variant is compiled here in a subproces
 interpreter is switched on for the rest of the suite), with the launch settings ``forward`` /
 ``backward`` use (``benchmarks/static.py``), for every dtype at a vocab that splits rows across
 programs (the combine kernel too) and is not a multiple of 16; a reference in another dtype than
-the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel.
+the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel; the truncation
+family's kernels.
 ``test_static_report.py`` covers aligned vocabs.
 """
 import os
@@ -50,8 +51,8 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     # Per dtype: 6 forward variants, their 6 combine kernels, 3 backward variants, the fused loss
-    # kernel's 4 STATIC_VARIANTS (57); mixed reference dtypes: forward with a reference and the
-    # backward with the log q term for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000
-    # splits there) (7), and the loss kernel's 2 variants with reference logits for 3 pairs (6); the
-    # scale kernel (3).
-    assert "compiled 73" in done.stdout
+    # kernel's 4 STATIC_VARIANTS, the truncation family's 4 forward and 2 backward variants (75); mixed
+    # reference dtypes: forward with a reference and the backward with the log q term for 3 pairs, plus
+    # the combine kernel of the fp32 policy (V = 32000 splits there) (7), and the loss kernel's 2 variants
+    # with reference logits for 3 pairs (6); the scale kernel (3).
+    assert "compiled 91" in done.stdout

@@ -19,9 +19,9 @@ KNOBS = [dict(top_k=7), dict(top_p=0.8), dict(min_p=0.05), dict(top_k=30, top_p=
          dict(top_k=3, min_p=0.3), dict(top_p=0.5, min_p=0.01)]
 
 
-@pytest.fixture(params=("reference", "cpp"))
+@pytest.fixture(params=("reference", "cpp", "triton"))
 def tbackend(request):
-    """The backends that run the truncation family here (the Triton backend does not implement it yet)."""
+    """The backends that run the truncation family here (Triton on CPU tensors through its interpreter)."""
     usable, why = kltriton.dispatch.availability(request.param, "truncation")
     if not usable:
         pytest.skip(f"{request.param}: {why}")

@@ -63,9 +63,11 @@ def floor(logits, target, temperature, top_k, top_p, min_p) -> torch.Tensor:
 
 def _masked(logits, floor_rows):
     """The rows of ``logits`` as ``[N, V]`` in the accumulation dtype with the entries below the floor ``-inf``
-    (chunked by the callers)."""
+    (chunked by the callers); a NaN floor (a NaN or ``+inf`` logit) masks nothing, so the row's statistics are NaN
+    as the ``stream`` family's."""
     x = logits.to(accumulation_dtype(logits.dtype))
-    return torch.where(x >= floor_rows[:, None].to(x.dtype), x, torch.full_like(x, -math.inf))
+    f = floor_rows[:, None].to(x.dtype)
+    return torch.where((x >= f) | torch.isnan(f), x, torch.full_like(x, -math.inf))
 
 
 def forward(logits, target, temperature, top_k, top_p, min_p, given_floor, wanted):
