@@ -196,9 +196,9 @@ class _ShardStream(torch.autograd.Function):
         stats = StreamStats(*values)
         basis = statistics.gradient_basis(dict(zip(statistics.NAMES, grads)), stats, temperature)
         basis = basis._replace(label=torch.where(own, basis.label, 0))  # the label term on its own shard only
-        with_logq = basis.p_logq is not None
-        grad = stream.stream_backward(logits, ref_logits if with_logq else None, target, temperature, stats.lse,
-                                      stats.ref_lse if with_logq else None, *basis, ctx.backend)
+        with_ref = basis.reads_ref()
+        grad = stream.stream_backward(logits, ref_logits if with_ref else None, target, temperature, stats.lse,
+                                      stats.ref_lse if with_ref else None, *basis, ctx.backend)
         return grad, None, None, None, None, None, None, None
 
 

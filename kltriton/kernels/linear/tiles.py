@@ -139,7 +139,7 @@ def bind(stream):
                 if dst.numel():
                     dst[idx] = src[:m]
         bad = target == OUT_OF_RANGE
-        for name in ("logp", "entropy", "ref_logp", "full_kl"):
+        for name in ("logp", "entropy", "ref_logp", "full_kl", "forward_kl"):
             dst = getattr(out, name)
             if dst.numel():
                 dst.masked_fill_(bad, float("nan"))
@@ -177,7 +177,7 @@ def bind(stream):
         want_bias = want_bias and not dense and policy.bias is not None
         d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=lse.device) if want_weight else None
         d_bias = torch.zeros(vocab, dtype=acc, device=lse.device) if want_bias else None
-        with_logq = basis.p_logq is not None
+        with_logq = basis.reads_ref()
         tile_rows, vocab_tile = plan(vocab, tile_elements)
         buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=lse.device)
         ref_buffer = torch.empty_like(buffer) if with_logq else None
