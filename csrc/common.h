@@ -311,4 +311,12 @@ at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 
+std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
+                                    const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
+                                    const at::Tensor& beta);
+
+at::Tensor jsd_backward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
+                        const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
+                        const at::Tensor& beta, const at::Tensor& kl_student, const at::Tensor& coef);
+
 }  // namespace kltriton_cpp

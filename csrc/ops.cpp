@@ -34,6 +34,12 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "loss_coefficients(Tensor logp, Tensor ref_logp, Tensor? old_logp, Tensor advantages, Tensor w_pg, "
       "Tensor w_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) -> Tensor");
   m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
+  m.def(
+      "jsd_forward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
+      "Tensor beta) -> Tensor[]");
+  m.def(
+      "jsd_backward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
+      "Tensor beta, Tensor kl_student, Tensor coef) -> Tensor");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
   m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
 }
@@ -44,6 +50,8 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_forward", &kltriton_cpp::loss_forward);
   m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
+  m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
+  m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
@@ -54,4 +62,6 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
+  m.impl("jsd_forward", torch::CppFunction::makeFallthrough());
+  m.impl("jsd_backward", torch::CppFunction::makeFallthrough());
 }
