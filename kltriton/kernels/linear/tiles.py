@@ -284,6 +284,86 @@ def bind_divergence(divergence):
     return jsd_forward, jsd_backward, loss_forward
 
 
+def _column_chunks(side, ids, ok, tile_elements):
+    """``(rows, ids, weight_rows)`` per chunk of the rows where ``ok``: the rows' ``[c, K]`` ids (padding ``-1`` read
+    as 0) and, for a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size
+    depends on ``K`` and ``H`` only (batch invariance); one host sync (the count)."""
+    acc = accumulation_dtype(side.x.dtype)
+    k = ids.shape[-1]
+    width = 1 if side.weight is None else side.weight.shape[1]
+    step = max(1, tile_elements // max(k * width, 1))
+    scored = torch.nonzero(ok).squeeze(1)
+    for start in range(0, scored.numel(), step):
+        rows = scored[start:start + step]
+        cols = ids[rows].clamp(min=0)
+        yield rows, cols, None if side.weight is None else _operand(side.weight.detach()[cols], acc)
+
+
+def _entries(x, rows, cols):
+    """The index of the entries ``[rows, cols]`` (``rows [c]`` flat row indices, ``cols [c, K]``) of ``x [..., V]``."""
+    lead = x.shape[:-1]
+    rows = rows[:, None].expand_as(cols)
+    index = []
+    for size in reversed(lead):
+        index.append(rows % size)
+        rows = rows // size
+    return (*reversed(index), cols)
+
+
+def _column_values(side, rows, cols, weight_rows):
+    """``[c, K]`` logits of ``side`` at the columns ``cols`` of the rows ``rows`` (scale and softcap applied)."""
+    acc = accumulation_dtype(side.x.dtype)
+    if side.weight is None:
+        return side.x.detach()[_entries(side.x, rows, cols)].to(acc)
+    z = (weight_rows * _operand(_take(side.x.detach(), rows), acc)[:, None, :]).sum(-1)
+    if side.bias is not None:
+        z = z + side.bias.detach()[cols].to(acc)
+    if side.scale is not None:
+        z = z * side.scale
+    if side.softcap is not None:
+        z = torch.tanh(z / side.softcap) * side.softcap
+    return z
+
+
+def column_logits(side, ids, ok, tile_elements):
+    """``[N, K]`` logits of ``side`` (a ``Side``: dense logits or a projection) at ``ids [N, K]`` for the rows where
+    ``ok`` (0 elsewhere; padding ids ``-1`` give ``-inf``), in the accumulation dtype: a ``K``-column gather, never a
+    logits tile (``O(N K H)`` work for a projection)."""
+    acc = accumulation_dtype(side.x.dtype)
+    out = torch.zeros(ids.shape, dtype=acc, device=ids.device)
+    for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
+        out[rows] = _column_values(side, rows, cols, weight_rows)
+    return out.masked_fill_(ok[:, None] & (ids < 0), float("-inf"))
+
+
+def add_column_gradients(side, ids, ok, coef, grads, tile_elements):
+    """Add the gradient of ``sum coef * column_logits(side, ids)`` (``coef [N, K]``, 0 at padding) to ``grads =
+    (d_x, d_weight, d_bias)`` in place (each None when not wanted): for dense logits a scatter into the logits
+    gradient ``d_x``; for a projection the chain through softcap and scale, then ``d_x += coef @ W[ids]``,
+    ``d_weight[ids] += coef x``, ``d_bias[ids] += coef`` (``O(N K H)``)."""
+    d_x, d_weight, d_bias = grads
+    acc = accumulation_dtype(side.x.dtype)
+    for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
+        c = coef[rows].to(acc)
+        if side.weight is None:
+            if d_x is not None:
+                d_x.index_put_(_entries(d_x, rows, cols), c.to(d_x.dtype), accumulate=True)
+            continue
+        if side.softcap is not None:
+            c = c * (1 - (_column_values(side, rows, cols, weight_rows) / side.softcap) ** 2)
+        if side.scale is not None:
+            c = c * side.scale
+        if d_x is not None:
+            flat = d_x.view(-1, d_x.shape[-1])
+            flat[rows] += (c[:, :, None] * weight_rows).sum(1).to(flat.dtype)
+        if d_weight is not None:
+            x = _operand(_take(side.x.detach(), rows), acc)
+            d_weight.index_add_(0, cols.reshape(-1), (c[:, :, None] * x[:, None, :]).reshape(-1, x.shape[-1])
+                                .to(d_weight.dtype))
+        if d_bias is not None:
+            d_bias.index_add_(0, cols.reshape(-1), c.reshape(-1).to(d_bias.dtype))
+
+
 def _nan_at_out_of_range(stats, target):
     """NaN statistics (the log-sum-exps aside) at the rows scored on a label outside ``[0, V)``, in place."""
     bad = target == OUT_OF_RANGE
