@@ -364,17 +364,18 @@ class _ShardColumns(torch.autograd.Function):
         size = x.shape[-1] if weight is None else weight.shape[0]
         own, local_ids = _own_columns(ids, start, size)
         local = divergence.column_logprobs_of(side, local_ids, target, temperature, lse, tile_elements)
-        ctx.save_for_backward(x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse)
+        logp = _gathered_columns(local, own, ids, target, group)
+        ctx.save_for_backward(x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse, logp)
         ctx.flags = (tile_elements, backend, group)
-        return _gathered_columns(local, own, ids, target, group)
+        return logp
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse = ctx.saved_tensors
+        x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse, logp = ctx.saved_tensors
         tile_elements, backend, group = ctx.flags
         want = list(ctx.needs_input_grad[:3])
         if weight is None:
-            grad = divergence.column_gradient(x, ids, target, temperature, lse, g, tile_elements, backend, local_ids)
+            grad = divergence.column_gradient(x, ids, target, temperature, lse, logp, g, backend, local_ids)
             return (grad, *[None] * 12)
         d_x, d_weight, d_bias = divergence.linear_column_gradients(
             Side(x, weight, bias, scale, softcap), ids, target, temperature, lse, g, want, tile_elements, backend,

@@ -96,7 +96,7 @@ def _log_tail(log_p, covered):
 
 def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, min_logprob=None):
     """``[N]`` divergence of ``kind`` over a top-k teacher's bins from the student's and teacher's log-probs at the
-    ``K`` ids (``[N, K]``; ``valid``: not padding).
+    ``K`` ids (``[N, K]``; ``valid``: not padding); ``beta`` a 0-dim float64 tensor (data).
 
     ``tail``: ``"bucket"`` adds one bin holding each side's remaining mass (``1 - sum``; empty when the ids cover the
     whole vocabulary), ``"renormalize"`` restricts both to the ids and renormalizes, ``"none"`` sums the ``K`` terms
@@ -120,7 +120,7 @@ def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, 
         return _kl(lt, ls)
     if kind == "reverse_kl":
         return _kl(ls, lt)
-    return _jsd(ls, lt, torch.as_tensor(beta, dtype=torch.float64, device=valid.device))
+    return _jsd(ls, lt, beta)
 
 
 def _topk_ids(teacher: TopK, vocab):
@@ -221,7 +221,7 @@ def token_divergence(
         ids = _topk_ids(teacher, global_vocab)
         student_logp, entropy = route.columns(student, ids, target, temperature, return_entropy,
                                               route.backend(backend, student), shard)
-        value = topk_divergence(student_logp, teacher.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta,
+        value = topk_divergence(student_logp, teacher.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
                                 tail, global_vocab, teacher.min_logprob).to(acc)
         value = torch.where(scored, value, torch.zeros_like(value))
         value = torch.where(target == OUT_OF_RANGE, torch.full_like(value, float("nan")), value)

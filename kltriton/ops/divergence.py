@@ -297,28 +297,30 @@ def _columns(
     return column_logprobs_of(Side(logits, None, None, None, None), ids, target, temperature, lse, tile_elements)
 
 
-def column_gradient(logits, ids, target, temperature, lse, g, tile_elements, backend, own_ids=None):
-    """The logits gradient of ``sum g * column log-probs`` (``g [N, K]``): the ``stream`` backward's dense
-    ``-p sum_k g_k / T`` term, then a scatter of the columns' ``g_k / T``. ``own_ids``: the columns this vocab shard
-    holds, local ids (``-1`` elsewhere); default ``ids``."""
+def column_gradient(logits, ids, target, temperature, lse, logp, g, backend, own_ids=None):
+    """The logits gradient of ``sum g * column log-probs`` (``g [N, K]`` on the column log-probs ``logp``): the
+    ``stream`` backward's dense ``-p sum_k g_k / T``, then the ``K`` columns set to ``g_k / T - p_k sum_k g_k / T``
+    from ``p_k = exp(logp_k)`` (rounded to the logits dtype once, as the kernel's label term). ``own_ids``: the columns
+    this vocab shard holds, local ids (``-1`` elsewhere); default ``ids``."""
     c_p, c_cols = column_coefficients(g, ids, target, lse, temperature)
     own_ids = ids if own_ids is None else own_ids
     grad = stream_backward(logits, None, target, temperature, lse, None, torch.zeros_like(c_p), c_p, None, None, None,
                            backend)
-    tiles.add_column_gradients(Side(grad, None, None, None, None), own_ids, target >= 0,
-                               torch.where(own_ids >= 0, c_cols, 0.0), (grad, None, None), tile_elements)
+    live = (target >= 0) & torch.isfinite(lse)
+    p = torch.where(live[:, None] & (ids >= 0), logp.double().exp(), 0.0)
+    tiles.set_columns(grad, own_ids, live, c_cols.double() - p * c_p.double()[:, None])
     return grad
 
 
 def _columns_backward(saved, grads):
     return {"logits": column_gradient(saved.logits, saved.ids, saved.target, saved.temperature, saved.lse,
-                                      grads["logp"], saved.tile_elements, saved.backend)}
+                                      saved.logp, grads["logp"], saved.backend)}
 
 
 column_logprobs = define_op(
     "column_logprobs", _columns, outputs=("logp",),
     fake=lambda logits, ids, *rest: ids.new_empty(ids.shape, dtype=accumulation_dtype(logits.dtype)),
-    save=("logits", "ids", "target", "temperature", "lse", "tile_elements", "backend"), backward=_columns_backward)
+    save=("logits", "ids", "target", "temperature", "lse", "backend", "logp"), backward=_columns_backward)
 
 
 def _linear_columns(
@@ -346,8 +348,7 @@ def linear_column_gradients(side, ids, target, temperature, lse, g, want, tile_e
     out = linear_backward(*side, None, None, None, None, None, target, temperature, lse, None, torch.zeros_like(c_p),
                           c_p, None, None, None, *want, tile_elements, backend)
     grads = [d if w else None for d, w in zip(out, want)]
-    tiles.add_column_gradients(side, own_ids, target >= 0, torch.where(own_ids >= 0, c_cols, 0.0), grads,
-                               tile_elements)
+    tiles.add_column_gradients(side, own_ids, torch.where(own_ids >= 0, c_cols, 0.0), grads, tile_elements)
     return grads
 
 

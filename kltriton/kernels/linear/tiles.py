@@ -285,16 +285,17 @@ def bind_divergence(divergence):
 
 
 def _column_chunks(side, ids, ok, tile_elements):
-    """``(rows, ids, weight_rows)`` per chunk of the rows where ``ok``: the rows' ``[c, K]`` ids (padding ``-1`` read
-    as 0) and, for a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size
-    depends on ``K`` and ``H`` only (batch invariance); one host sync (the count)."""
+    """``(rows, ids, weight_rows)`` per chunk of rows: the rows' ``[c, K]`` ids (padding ``-1`` read as 0) and, for
+    a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size depends on ``K`` and
+    ``H`` only (batch invariance). ``ok``: only the rows where it holds (one host sync, the count), or None: every
+    row (no data-dependent shape: the gradients, which torch.compile traces)."""
     acc = accumulation_dtype(side.x.dtype)
     k = ids.shape[-1]
     width = 1 if side.weight is None else side.weight.shape[1]
     step = max(1, tile_elements // max(k * width, 1))
-    scored = torch.nonzero(ok).squeeze(1)
-    for start in range(0, scored.numel(), step):
-        rows = scored[start:start + step]
+    chosen = torch.arange(ids.shape[0], device=ids.device) if ok is None else torch.nonzero(ok).squeeze(1)
+    for start in range(0, chosen.shape[0], step):
+        rows = chosen[start:start + step]
         cols = ids[rows].clamp(min=0)
         yield rows, cols, None if side.weight is None else _operand(side.weight.detach()[cols], acc)
 
@@ -336,19 +337,24 @@ def column_logits(side, ids, ok, tile_elements):
     return out.masked_fill_(ok[:, None] & (ids < 0), float("-inf"))
 
 
-def add_column_gradients(side, ids, ok, coef, grads, tile_elements):
-    """Add the gradient of ``sum coef * column_logits(side, ids)`` (``coef [N, K]``, 0 at padding) to ``grads =
-    (d_x, d_weight, d_bias)`` in place (each None when not wanted): for dense logits a scatter into the logits
-    gradient ``d_x``; for a projection the chain through softcap and scale, then ``d_x += coef @ W[ids]``,
-    ``d_weight[ids] += coef x``, ``d_bias[ids] += coef`` (``O(N K H)``)."""
+def set_columns(grad, ids, ok, values):
+    """``grad[n, ids[n, k]] = values[n, k]`` for the rows where ``ok`` and the ids ``>= 0`` (``grad [..., V]``, in
+    place): a dense logits gradient whose ``K`` columns were computed elsewhere, rounded to its dtype once."""
+    write = ok[:, None] & (ids >= 0)
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[write]
+    flat = grad.view(-1, grad.shape[-1])
+    flat[rows, ids[write]] = values[write].to(grad.dtype)
+
+
+def add_column_gradients(side, ids, coef, grads, tile_elements):
+    """Add the gradient of ``sum coef * column_logits(side, ids)`` (``coef [N, K]``, 0 at padding and on the rows
+    without one) of a projection ``side`` to ``grads = (d_x, d_weight, d_bias)`` in place (each None when not
+    wanted): the chain through softcap and scale, then ``d_x += coef @ W[ids]``, ``d_weight[ids] += coef x``,
+    ``d_bias[ids] += coef`` (``O(N K H)``)."""
     d_x, d_weight, d_bias = grads
     acc = accumulation_dtype(side.x.dtype)
-    for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
+    for rows, cols, weight_rows in _column_chunks(side, ids, None, tile_elements):
         c = coef[rows].to(acc)
-        if side.weight is None:
-            if d_x is not None:
-                d_x.index_put_(_entries(d_x, rows, cols), c.to(d_x.dtype), accumulate=True)
-            continue
         if side.softcap is not None:
             c = c * (1 - (_column_values(side, rows, cols, weight_rows) / side.softcap) ** 2)
         if side.scale is not None:
