@@ -363,6 +363,7 @@ class _ShardColumns(torch.autograd.Function):
         side = Side(x, weight, bias, scale, softcap)
         size = x.shape[-1] if weight is None else weight.shape[0]
         own, local_ids = _own_columns(ids, start, size)
+        target = _any_column(target)  # the backward's kernels read no label (their label term is 0)
         local = divergence.column_logprobs_of(side, local_ids, target, temperature, lse, tile_elements)
         logp = _gathered_columns(local, own, ids, target, group)
         ctx.save_for_backward(x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse, logp)
