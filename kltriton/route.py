@@ -178,8 +178,15 @@ def divergence_loss(student, teacher, target, temperature, kind: str, beta, weig
 def columns(student, ids, target, temperature, entropy: bool, backend_name: str,
             vocab_shard: Optional[parallel.VocabShard] = None):
     """``(column log-probs [N, K], entropy)``: ``log softmax(student / T)`` at ``ids [N, K]`` (global ids, ``-1``
-    padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student, from its ``lse`` and a ``K``-column
-    gather; ``entropy`` the student's (``[0]`` unless asked for)."""
+    padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student, from its ``lse`` and its logits at
+    the ids; ``entropy`` the student's (``[0]`` unless asked for). ``LinearLogits``: one pass over the GEMM tiles
+    gathers the columns (vocab-sharded: the statistics route, then a ``K``-column gather of the LM head rows);
+    logits: the statistics route, then a ``K``-column gather."""
+    if is_linear(student) and vocab_shard is None:
+        tile = student.tile_elements or default_tile_elements(student.device.type)
+        logp, _, student_entropy = divergence_ops.linear_column_logprobs(*student.side(), ids, target, temperature,
+                                                                         entropy, tile, backend_name)
+        return logp, student_entropy
     stats = statistics(student, None, target, temperature, stats_table.request(entropy=entropy), backend_name,
                        vocab_shard)
     lse = stats.lse.detach()
@@ -189,8 +196,5 @@ def columns(student, ids, target, temperature, entropy: bool, backend_name: str,
         side, tile = _side(student), default_tile_elements(student.device.type)
     if vocab_shard is not None:
         return parallel.shard_columns(side, ids, target, temperature, lse, tile, backend_name, vocab_shard), \
-            stats.entropy
-    if is_linear(student):
-        return divergence_ops.linear_column_logprobs(*side, ids, target, temperature, lse, tile, backend_name), \
             stats.entropy
     return divergence_ops.column_logprobs(student, ids, target, temperature, lse, tile, backend_name), stats.entropy

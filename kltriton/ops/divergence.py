@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from kltriton import dispatch
-from kltriton.kernels import accumulation_dtype
+from kltriton.kernels import accumulation_dtype, statistics
 from kltriton.kernels.linear import Side, tiles
 from kltriton.ops._define import define_op
 from kltriton.ops.linear import linear_backward
@@ -276,13 +276,21 @@ def column_coefficients(g: torch.Tensor, ids: torch.Tensor, target: torch.Tensor
     return c.sum(1).float(), c.float()
 
 
-def column_logprobs_of(side, ids, target, temperature, lse, tile_elements):
-    """``[N, K]`` ``x[ids] / T - lse`` of a ``Side`` (``-inf`` at padding ids, 0 on unscored rows)."""
+def columns_to_logprobs(values, ids, target, temperature, lse):
+    """``[N, K]`` ``values / T - lse`` of logits ``values`` at ``ids`` (``-inf`` at padding ids, 0 on unscored
+    rows)."""
     ok = target >= 0
-    values = tiles.column_logits(side, ids, ok, tile_elements)
     t = temperature if temperature.dim() == 0 else temperature[:, None]
     out = (values.double() / t - lse.double()[:, None]).to(values.dtype)
+    out = torch.where((ids < 0) & ok[:, None], torch.full((), float("-inf"), dtype=out.dtype, device=out.device), out)
     return torch.where(ok[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def column_logprobs_of(side, ids, target, temperature, lse, tile_elements):
+    """``[N, K]`` ``x[ids] / T - lse`` of a ``Side`` by a ``K``-column gather (``-inf`` at padding ids, 0 on unscored
+    rows)."""
+    values = tiles.column_logits(side, ids, target >= 0, tile_elements)
+    return columns_to_logprobs(values, ids, target, temperature, lse)
 
 
 def _columns(
@@ -332,27 +340,58 @@ def _linear_columns(
     ids: torch.Tensor,                   # [N, K] int64 (-1: padding)
     target: torch.Tensor,
     temperature: torch.Tensor,
-    lse: torch.Tensor,
+    entropy: bool,                       # also the entropy (not differentiable here)
     tile_elements: int,
     backend: str,
-) -> torch.Tensor:
-    return column_logprobs_of(Side(x, weight, bias, scale, softcap), ids, target, temperature, lse, tile_elements)
+) -> Triple:
+    stats, values = dispatch.implementation("linear", backend).column_forward(
+        Side(x, weight, bias, scale, softcap), target, temperature, statistics.request(entropy=entropy), ids,
+        tile_elements)
+    return columns_to_logprobs(values, ids, target, temperature, stats.lse), stats.lse, stats.entropy
+
+
+def _linear_column_backward_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    softcap: Optional[torch.Tensor],
+    target: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,                   # [N] whole rows' log-sum-exp
+    c_p: torch.Tensor,                   # [N] fp32, / T
+    ids: torch.Tensor,                   # [N, K] ids in this weight (-1: none)
+    c_columns: torch.Tensor,             # [N, K] fp32, / T
+    want_x: bool,
+    want_weight: bool,
+    want_bias: bool,
+    tile_elements: int,
+    backend: str,
+) -> Triple:
+    grads = dispatch.implementation("linear", backend).column_backward(
+        Side(x, weight, bias, scale, softcap), target, temperature, lse, c_p, ids, c_columns, want_x, want_weight,
+        want_bias, tile_elements)
+    return tuple(x.new_empty(0) if d is None else d for d in grads)  # no aliased outputs
+
+
+linear_column_backward = define_op(
+    "linear_column_backward", _linear_column_backward_kernel, outputs=("d_x", "d_weight", "d_bias"),
+    fake=lambda x, weight, bias, *rest: _like_wanted(x, weight, bias, rest[-5:-2]))
 
 
 def linear_column_gradients(side, ids, target, temperature, lse, g, want, tile_elements, backend, own_ids=None):
-    """``(d_x, d_weight, d_bias)`` of ``sum g * column log-probs`` of a projection ``side``: the ``linear`` backward's
-    dense ``-p sum_k g_k / T`` term, then the ``K`` columns' own terms (``tiles.add_column_gradients``). ``own_ids``
-    as in ``column_gradient``."""
+    """``(d_x, d_weight, d_bias)`` of ``sum g * column log-probs`` of a projection ``side`` (``linear_column_backward``:
+    the ``p`` term and the ``K`` columns on each GEMM tile). ``own_ids`` as in ``column_gradient``."""
     c_p, c_cols = column_coefficients(g, ids, target, lse, temperature)
     own_ids = ids if own_ids is None else own_ids
-    out = linear_backward(*side, None, None, None, None, None, target, temperature, lse, None, torch.zeros_like(c_p),
-                          c_p, None, None, None, *want, tile_elements, backend)
-    grads = [d if w else None for d, w in zip(out, want)]
-    tiles.add_column_gradients(side, own_ids, torch.where(own_ids >= 0, c_cols, 0.0), grads, tile_elements)
-    return grads
+    out = linear_column_backward(*side, target, temperature, lse, c_p, own_ids, c_cols, *want, tile_elements,
+                                 backend)
+    return [d if w else None for d, w in zip(out, want)]
 
 
 def _linear_columns_backward(saved, grads):
+    if grads["logp"] is None:
+        return {}
     want = [saved.needs_grad[name] for name in PARAMETERS]
     side = Side(saved.x, saved.weight, saved.bias, saved.scale, saved.softcap)
     out = linear_column_gradients(side, saved.ids, saved.target, saved.temperature, saved.lse, grads["logp"], want,
@@ -360,10 +399,14 @@ def _linear_columns_backward(saved, grads):
     return {name: d for name, d, w in zip(PARAMETERS, out, want) if w}
 
 
+def _linear_columns_fake(x, weight, bias, scale, softcap, ids, target, temperature, entropy, tile_elements, backend):
+    acc = accumulation_dtype(x.dtype)
+    n = target.shape[0]
+    return ids.new_empty(ids.shape, dtype=acc), x.new_empty(n, dtype=acc), x.new_empty(n if entropy else 0, dtype=acc)
+
+
 linear_column_logprobs = define_op(
-    "linear_column_logprobs", _linear_columns, outputs=("logp",),
-    fake=lambda x, weight, bias, scale, softcap, ids, *rest: ids.new_empty(ids.shape,
-                                                                            dtype=accumulation_dtype(x.dtype)),
-    save=("x", "weight", "bias", "scale", "softcap", "ids", "target", "temperature", "lse", "tile_elements",
-          "backend"),
-    backward=_linear_columns_backward)
+    "linear_column_logprobs", _linear_columns, outputs=("logp", "lse", "entropy"), fake=_linear_columns_fake,
+    save=("x", "weight", "bias", "scale", "softcap", "ids", "target", "temperature", "tile_elements", "backend",
+          "lse"),
+    backward=_linear_columns_backward, materialize_grads=False)

@@ -416,7 +416,9 @@ def op_samples(backend):
     yield ops.column_logprobs, (logits, ids, target, temp(0.9), stats.lse, 1 << 20, backend)
     hidden, w, b = torch.randn(2, 3, 8, requires_grad=True), torch.randn(vocab, 8, requires_grad=True), None
     lin_lse = torch.logsumexp(F.linear(hidden.detach(), w.detach()).view(6, vocab) / 0.9, -1)
-    yield ops.linear_column_logprobs, (hidden, w, b, None, None, ids, target, temp(0.9), lin_lse, 1 << 20, backend)
+    yield ops.linear_column_logprobs, (hidden, w, b, None, None, ids, target, temp(0.9), True, 1 << 20, backend)
+    yield ops.linear_column_backward, (hidden.detach(), w.detach(), b, None, None, target, temp(0.9), lin_lse,
+                                       torch.randn(6), ids, torch.randn(6, 4), True, True, False, 1 << 20, backend)
     yield ops.linear_jsd_forward, (hidden, w, b, None, None, ref, None, None, None, None, target, temp(0.9), lin_lse,
                                    ref_lse, beta, 1 << 20, backend)
     yield ops.linear_divergence_loss, (hidden, w, b, None, None, ref, None, None, None, None, target, temp(0.9),

@@ -122,12 +122,22 @@ def _temp(temperature, padded):
 
 
 def bind(stream):
-    """``(forward, backward)`` of the ``linear`` family on top of the ``stream`` module ``stream``."""
+    """``(forward, backward, column_forward, column_backward)`` of the ``linear`` family on top of the ``stream``
+    module ``stream``."""
 
     def forward(policy, ref, target, temperature, wanted, tile_elements) -> StreamStats:
+        return _forward(policy, ref, target, temperature, wanted, tile_elements)[0]
+
+    def column_forward(policy, target, temperature, wanted, ids, tile_elements):
+        """``(StreamStats, column_logits)``: ``forward`` of the policy alone, and its logits (scale and softcap
+        applied) at ``ids [N, K]`` (``-1`` padding: ``-inf``; 0 on unscored rows) gathered from the same tiles."""
+        return _forward(policy, None, target, temperature, wanted, tile_elements, ids)
+
+    def _forward(policy, ref, target, temperature, wanted, tile_elements, ids=None):
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
         out = statistics.empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=target.device))
+        columns = None if ids is None else torch.zeros(ids.shape, dtype=acc, device=target.device)
         tile_rows, vocab_tile = plan(vocab, tile_elements)
         buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=target.device)
         ref_buffer = torch.empty_like(buffer) if ref is not None else None
@@ -135,23 +145,35 @@ def bind(stream):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
             pol = _TileSide(policy, padded, acc)
             rfs = _TileSide(ref, padded, acc) if ref is not None else None
-            stats = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer)
+            tile_ids = None if ids is None else ids[padded]
+            stats, tile_columns = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer,
+                                                       ref_buffer, tile_ids)
             for dst, src in zip(out, stats):
                 if dst.numel():
                     dst[idx] = src[:m]
+            if ids is not None:
+                columns[idx] = tile_columns[:m]
         _nan_at_out_of_range(out, target)
-        return out
+        if ids is not None:
+            columns.masked_fill_((target >= 0)[:, None] & (ids < 0), float("-inf"))
+        return out, columns
 
-    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer):
-        """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``.
-        A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE`` log-probs."""
+    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer, ids):
+        """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``, and the
+        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE``
+        log-probs."""
         parts, held = [], []
+        columns = None if ids is None else torch.zeros(ids.shape, dtype=buffer.dtype, device=buffer.device)
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
             local, inside = _local_target(tgt, v0, v1 - v0)
             ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
-            parts.append(stream.forward(pol.logits(v0, v1, buffer), ref_tile, local, temp, wanted))
+            tile = pol.logits(v0, v1, buffer)
+            parts.append(stream.forward(tile, ref_tile, local, temp, wanted))
             held.append(inside)
+            if ids is not None:
+                here, cols = _tile_columns(ids, v0, v1)
+                columns = torch.where(here, tile.gather(1, cols), columns)
         inside = torch.stack(held)
         pieces = {name: torch.stack([getattr(p, name) for p in parts]) for name in statistics.NAMES
                   if statistics.present(wanted, name)}
@@ -160,14 +182,36 @@ def bind(stream):
                 pieces[name] = torch.where(inside, pieces[name], NOT_HERE)
         if len(parts) == 1:
             return StreamStats(*(pieces[name][0] if name in pieces else getattr(parts[0], name)
-                                 for name in statistics.NAMES))
-        return statistics.merge(pieces, wanted)
+                                 for name in statistics.NAMES)), columns
+        return statistics.merge(pieces, wanted), columns
+
+    def column_backward(policy, target, temperature, lse, c_p, ids, c_columns, want_x, want_weight, want_bias,
+                        tile_elements):
+        """``(d_x, d_weight, d_bias)`` of the logits gradient ``c_columns`` at ``ids`` ``- p * c_p`` (``[N]``, ``[N, K]``,
+        already divided by ``T``; ids ``-1`` or outside this weight: none): the ``stream`` backward's ``p`` term on
+        each tile, its ``K`` columns set to ``c_k - p_k c_p`` from the tile (rounded once), then the GEMMs."""
+
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
+            tile_lse, tile_c_p = lse[padded], c_p[padded]
+            basis = statistics.Basis(torch.zeros_like(tile_c_p), tile_c_p)
+            grad = stream.backward(tile, None, local, temp, tile_lse, None, basis)
+            here, cols = _tile_columns(ids[padded], v0, v0 + tile.shape[1])
+            here &= (local >= 0)[:, None] & torch.isfinite(tile_lse)[:, None]
+            t = temp if temp.dim() == 0 else temp[:, None]
+            p = torch.exp(tile.gather(1, cols).double() / t - tile_lse.double()[:, None])
+            values = c_columns[padded].double() - p * tile_c_p.double()[:, None]
+            rows = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
+            grad[rows[here], cols[here]] = values[here].to(grad.dtype)
+            return grad
+
+        return gradient_tiles(policy, None, target, temperature, (target >= 0) & torch.isfinite(lse),
+                              plan(_vocab(policy), tile_elements), (want_x, want_weight, want_bias), tile_grad)
 
     def backward(policy, ref, target, temperature, lse, ref_lse, basis, want_x, want_weight, want_bias,
                  tile_elements):
         with_ref = basis.reads_ref()
 
-        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m):
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             tile_basis = type(basis)(*(None if c is None else c[padded] for c in basis))
             # The label term belongs to the tile (and shard) that holds the label.
             here = tile_basis._replace(label=torch.where(inside, tile_basis.label, 0))
@@ -177,7 +221,14 @@ def bind(stream):
         return gradient_tiles(policy, ref if with_ref else None, target, temperature, (target >= 0) & torch.isfinite(lse),
                               plan(_vocab(policy), tile_elements), (want_x, want_weight, want_bias), tile_grad)
 
-    return forward, backward
+    return forward, backward, column_forward, column_backward
+
+
+def _tile_columns(ids, v0, v1):
+    """``(here, cols)``: which of ``ids [R, K]`` lie in the vocab tile ``[v0, v1)`` and their columns in it (0
+    elsewhere)."""
+    here = (ids >= v0) & (ids < v1)
+    return here, torch.where(here, ids - v0, torch.zeros_like(ids))
 
 
 def whole_rows(vocab: int, tile_elements: int) -> int:
@@ -197,7 +248,7 @@ def bind_loss(loss):
                                        lambda size: torch.zeros(size, dtype=acc, device=target.device))
         with_grad = want_x or want_weight or want_bias
 
-        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m):
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
             part, grad = loss.forward(tile, ref_tile, local, temp, tile_in, hp, loss_type, estimator, entropy_grad,
                                       with_grad)
@@ -246,7 +297,7 @@ def bind_divergence(divergence):
                      want_bias, tile_elements):
         """``(d_x, d_weight, d_bias)`` of the JSD gradient with per-row ``coef`` (``kltriton.kernels.divergence``)."""
 
-        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m):
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             return divergence.backward(tile, ref_tile, local, temp, lse[padded], ref_lse[padded], beta,
                                        kl_student[padded], coef[padded])
 
@@ -266,7 +317,7 @@ def bind_divergence(divergence):
         values = new(n)
         with_grad = want_x or want_weight or want_bias
 
-        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m):
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             part, value, grad = divergence.loss_forward(tile, ref_tile, local, temp, kind, beta, weight[padded],
                                                         entropy, with_grad)
             for dst, src in zip((*stats, values), (*part, value)):
@@ -346,30 +397,6 @@ def set_columns(grad, ids, ok, values):
     flat[rows, ids[write]] = values[write].to(grad.dtype)
 
 
-def add_column_gradients(side, ids, coef, grads, tile_elements):
-    """Add the gradient of ``sum coef * column_logits(side, ids)`` (``coef [N, K]``, 0 at padding and on the rows
-    without one) of a projection ``side`` to ``grads = (d_x, d_weight, d_bias)`` in place (each None when not
-    wanted): the chain through softcap and scale, then ``d_x += coef @ W[ids]``, ``d_weight[ids] += coef x``,
-    ``d_bias[ids] += coef`` (``O(N K H)``)."""
-    d_x, d_weight, d_bias = grads
-    acc = accumulation_dtype(side.x.dtype)
-    for rows, cols, weight_rows in _column_chunks(side, ids, None, tile_elements):
-        c = coef[rows].to(acc)
-        if side.softcap is not None:
-            c = c * (1 - (_column_values(side, rows, cols, weight_rows) / side.softcap) ** 2)
-        if side.scale is not None:
-            c = c * side.scale
-        if d_x is not None:
-            flat = d_x.view(-1, d_x.shape[-1])
-            flat[rows] += (c[:, :, None] * weight_rows).sum(1).to(flat.dtype)
-        if d_weight is not None:
-            x = _operand(_take(side.x.detach(), rows), acc)
-            d_weight.index_add_(0, cols.reshape(-1), (c[:, :, None] * x[:, None, :]).reshape(-1, x.shape[-1])
-                                .to(d_weight.dtype))
-        if d_bias is not None:
-            d_bias.index_add_(0, cols.reshape(-1), c.reshape(-1).to(d_bias.dtype))
-
-
 def _nan_at_out_of_range(stats, target):
     """NaN statistics (the log-sum-exps aside) at the rows scored on a label outside ``[0, V)``, in place."""
     bad = target == OUT_OF_RANGE
@@ -383,10 +410,10 @@ def gradient_tiles(policy, ref, target, temperature, ok, shape, want, tile_grad)
     """``(d_x, d_weight, d_bias)`` of the policy side from the logits gradient of each working tile.
 
     The rows where ``ok`` are projected in tiles of ``shape = (tile_rows, vocab_tile)`` (the reference's too, when
-    ``ref`` is a ``Side``); ``tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m)`` returns the tile's
-    fp32 logits gradient ``[tile_rows, width]`` (None: no gradient; it may record per-row outputs for the rows
-    ``idx``, the first ``m`` of the token tile ``padded``), with ``local`` / ``inside`` the tile's targets and
-    whether it holds the label (``_local_target``). The gradient is chained through softcap and scale, then
+    ``ref`` is a ``Side``); ``tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0)`` returns the
+    tile's fp32 logits gradient ``[tile_rows, width]`` (None: no gradient; it may record per-row outputs for the
+    rows ``idx``, the first ``m`` of the token tile ``padded``), with ``local`` / ``inside`` the tile's targets and
+    whether it holds the label (``_local_target``), ``v0`` its first vocab id. The gradient is chained through softcap and scale, then
     ``d_x = grad @ weight``, ``d_weight = grad.T @ x``, ``d_bias = grad.sum(0)`` accumulated in fp32, one gradient
     tile at a time. ``want``: ``(want_x, want_weight, want_bias)``; None where not wanted or absent (for a dense
     policy, ``d_x`` is the logits gradient)."""
@@ -414,7 +441,7 @@ def gradient_tiles(policy, ref, target, temperature, ok, shape, want, tile_grad)
             tile = pol.logits(v0, v1, buffer)
             ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
             local, inside = _local_target(tgt, v0, v1 - v0)
-            grad = tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m)
+            grad = tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0)
             if grad is None:
                 continue
             _chain(policy, tile, grad)
