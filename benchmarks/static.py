@@ -1,8 +1,9 @@
 """Static report of the compiled Triton kernels: ``python -m benchmarks static [--out DIR]``.
 
 Compiles every kernel variant of ``kltriton.kernels.stream.triton`` (and the loss family's fused kernel,
-``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``, and the truncation family's kernels,
-``kltriton.kernels.truncation.triton``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
+``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``, the truncation family's kernels,
+``kltriton.kernels.truncation.triton``, and the divergence family's JSD kernels,
+``kltriton.kernels.divergence.triton``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
 default; no GPU needed) with the launch settings ``forward`` / ``backward`` would use, disassembles the
 cubin with the ``cuobjdump`` Triton ships, and reports per variant: registers, spills (local memory,
 STL/LDL), shared memory, the vocab loop's SASS instruction count per element handled by a thread,
@@ -32,7 +33,7 @@ QUICK = ((151936, "bf16"), (50257, "fp32"), (32000, "fp16"))
 def _arg_type(name, dtype, ref_dtype=None):
     if name == "target_ptr":
         return "*i64"
-    if name in ("temperature_ptr", "hp_ptr", "top_p_ptr", "min_p_ptr"):
+    if name in ("temperature_ptr", "hp_ptr", "top_p_ptr", "min_p_ptr", "beta_ptr"):
         return "*fp64"
     if name == "top_k_ptr":
         return "*i64"
@@ -144,21 +145,23 @@ def analyse(compiled, elements_per_thread):
 
 
 def _kernel(name):
+    from kltriton.kernels.divergence import triton as td
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
     from kltriton.kernels.truncation import triton as tt
 
-    return getattr(ts, name, None) or getattr(tl_loss, name, None) or getattr(tt, name)
+    return getattr(ts, name, None) or getattr(tl_loss, name, None) or getattr(tt, name, None) or getattr(td, name)
 
 
 def _tasks(cases):
     """(vocab, dtype, kernel name, Launch, variant name, absent arguments) of every compile."""
+    from kltriton.kernels.divergence import triton as td
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
     from kltriton.kernels.truncation import triton as tt
 
     for vocab, dtype in cases:
-        for module in (ts, tl_loss, tt):
+        for module in (ts, tl_loss, tt, td):
             for kernel_name, launch, name, absent in module.launches(vocab, BYTES[dtype]):
                 yield vocab, dtype, kernel_name, launch, name, absent
 

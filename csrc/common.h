@@ -40,9 +40,14 @@ constexpr int64_t kSkip = KLTRITON_SKIP;               // not scored: outputs 0,
 constexpr int64_t kOutOfRange = KLTRITON_OUT_OF_RANGE;  // label outside [0, V): outputs NaN, never read
 
 // A forward kernel variant is one template parameter MODE: a bitmask of these request bits.
-enum ModeBit : int { kEntropy = KLTRITON_WANT_ENTROPY, kRef = KLTRITON_WANT_REF, kFullKl = KLTRITON_WANT_FULL_KL };
+enum ModeBit : int {
+  kEntropy = KLTRITON_WANT_ENTROPY,
+  kRef = KLTRITON_WANT_REF,
+  kFullKl = KLTRITON_WANT_FULL_KL,
+  kForwardKl = KLTRITON_WANT_FORWARD_KL,
+};
 // A backward variant: the optional terms of the gradient basis it evaluates (label and p always).
-enum BasisBit : int { kPLogp = KLTRITON_BASIS_P_LOGP, kPLogq = KLTRITON_BASIS_P_LOGQ };
+enum BasisBit : int { kPLogp = KLTRITON_BASIS_P_LOGP, kPLogq = KLTRITON_BASIS_P_LOGQ, kQ = KLTRITON_BASIS_Q };
 
 // fn(TypeTag<T>{}) with T the C++ type of a float32 / bfloat16 / float16 tensor.
 template <typename T>
@@ -289,7 +294,7 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                            const std::optional<at::Tensor>& ref_lse, const at::Tensor& c_label,
                            const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp,
-                           const std::optional<at::Tensor>& c_p_logq);
+                           const std::optional<at::Tensor>& c_p_logq, const std::optional<at::Tensor>& c_q);
 
 std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                                      const at::Tensor& target, const at::Tensor& temperature,
@@ -314,5 +319,12 @@ std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::
 at::Tensor truncated_backward(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
                               const at::Tensor& floor, const at::Tensor& lse, const at::Tensor& c_label,
                               const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
+                                    const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
+                                    const at::Tensor& beta);
+
+at::Tensor jsd_backward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
+                        const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
+                        const at::Tensor& beta, const at::Tensor& kl_student, const at::Tensor& coef);
 
 }  // namespace kltriton_cpp

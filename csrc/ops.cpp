@@ -25,7 +25,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def("stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, int wanted) -> Tensor[]");
   m.def(
       "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
-      "Tensor? ref_lse, Tensor c_label, Tensor c_p, Tensor? c_p_logp, Tensor? c_p_logq) -> Tensor");
+      "Tensor? ref_lse, Tensor c_label, Tensor c_p, Tensor? c_p_logp, Tensor? c_p_logq, Tensor? c_q) -> Tensor");
   m.def(
       "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "
@@ -40,6 +40,11 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
       "truncated_backward(Tensor logits3d, Tensor target, Tensor temperature, Tensor floor, Tensor lse, "
       "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
+      "jsd_forward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
+      "Tensor beta) -> Tensor[]");
+  m.def(
+      "jsd_backward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
+      "Tensor beta, Tensor kl_student, Tensor coef) -> Tensor");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
   m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
 }
@@ -52,6 +57,8 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
   m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
   m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
+  m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
+  m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
@@ -64,4 +71,6 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
   m.impl("truncated_forward", torch::CppFunction::makeFallthrough());
   m.impl("truncated_backward", torch::CppFunction::makeFallthrough());
+  m.impl("jsd_forward", torch::CppFunction::makeFallthrough());
+  m.impl("jsd_backward", torch::CppFunction::makeFallthrough());
 }

@@ -1,7 +1,7 @@
 // The forward row kernel of the C++ CPU backend (inline templates, included by every translation unit
 // that streams a row): one pass over a row of logits (and optionally reference logits) gives the
 // statistics of kltriton/kernels/statistics.py: log p(label), logsumexp(x / T), the entropy, the
-// reference log-prob / logsumexp and the full KL(p || q).
+// reference log-prob / logsumexp, the full KL(p || q) and the forward KL(q || p).
 //
 // Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
 // 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
@@ -9,7 +9,7 @@
 // e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
 // -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
 // streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
-// t = sum e^z z, u = sum e^zx (zx - zy), e^z meaning exp(z kZUnit)) is rescaled once per block,
+// t = sum e^z z, u = sum e^zx (zx - zy), v = sum e^zy (zy - zx), e^z meaning exp(z kZUnit)) is rescaled once per block,
 // then the block's exponentials are accumulated from L1. Each row
 // is read from memory once. The SIMD lanes are combined in double at the end of the row.
 #pragma once
@@ -29,6 +29,7 @@ enum Stat : int {
   kStatRefLogp = KLTRITON_STAT_REF_LOGP,
   kStatRefLse = KLTRITON_STAT_REF_LSE,
   kStatFullKl = KLTRITON_STAT_FULL_KL,
+  kStatForwardKl = KLTRITON_STAT_FORWARD_KL,
 };
 constexpr int kNumStats = KLTRITON_NUM_STATS;
 
@@ -42,6 +43,7 @@ inline bool stat_present(int stat, int64_t wanted) {
     case kStatRefLogp: bit = KLTRITON_STAT_REF_LOGP_REQUEST; break;
     case kStatRefLse: bit = KLTRITON_STAT_REF_LSE_REQUEST; break;
     case kStatFullKl: bit = KLTRITON_STAT_FULL_KL_REQUEST; break;
+    case kStatForwardKl: bit = KLTRITON_STAT_FORWARD_KL_REQUEST; break;
     default: break;
   }
   return bit == 0 || (wanted & bit) != 0;
@@ -65,12 +67,12 @@ inline RowOut skipped_row(int64_t target) {
 
 template <int MODE>
 struct LaneState {
-  static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
-  Vec mx, mix, sx, tx, my, miy, sy, u;
+  static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
+  Vec mx, mix, sx, tx, my, miy, sy, u, v;
   Vec vinv;
 
   explicit LaneState(float inv)
-      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), vinv(inv) {}
+      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv(inv) {}
 
   // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf).
   template <typename LX, typename LY>
@@ -96,6 +98,8 @@ struct LaneState {
       const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
       dy = (miyn - miy) * vinv;
       const Vec ay = Vec::blendv(vexpz(zero - dy), zero, my == ninf);
+      // The forward KL's sum mirrors u with the reference's frame (before sy moves).
+      if constexpr (FKL) v = Vec::blendv(ay * (v - (dy - dx) * sy), zero, ay == zero);
       sy = ay * sy;
       my = myn;
       miy = miyn;
@@ -109,6 +113,7 @@ struct LaneState {
     // Block sums relative to the new frame, two accumulators each (independent add chains).
     const Vec lowest(kLowest);
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
+    Vec bv[2] = {zero, zero};
     auto step = [&](int64_t i, int j) {
       const Vec zx = (ldx(i) - mix) * vinv;
       const Vec ex = vexpz(zx);
@@ -121,9 +126,12 @@ struct LaneState {
       if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
       if constexpr (REF) {
         const Vec zy = (ldy(i) - miy) * vinv;
-        bsy[j] = bsy[j] + vexpz(zy);
+        const Vec ey = vexpz(zy);
+        bsy[j] = bsy[j] + ey;
         // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
         if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
+        // The same for the forward KL, the roles swapped (zx unclamped: x = -inf where q > 0 gives +inf).
+        if constexpr (FKL) bv[j] = add_where_pos(bv[j], ey, ey * (zy - zx));
       }
     };
     int64_t i = 0;
@@ -136,6 +144,7 @@ struct LaneState {
     if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
     if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
     if constexpr (KL) u = u + (bu[0] + bu[1]);
+    if constexpr (FKL) v = v + (bv[0] + bv[1]);
   }
 };
 
@@ -179,7 +188,7 @@ inline Combined combine_lanes(const float* m, const float* mi, const float* s, c
 template <typename T, typename R, int MODE, bool FLOOR = false>
 inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo,
                           float floor = -kInf) {
-  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl;
+  constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
   const Vec vfloor(floor), vninf(-kInf);
   const double c = (static_cast<double>(hi) + lo) / kZUnit;
   LaneState<MODE> st(static_cast<float>(c));
@@ -260,6 +269,22 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
             U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
           r.v[kStatFullKl] = static_cast<float>(kZUnit * U / cx.s - std::log(cx.s) + log_s);
+        }
+      }
+      if constexpr (FKL) {
+        if (!cx.bad && !cx.dead) {
+          alignas(64) float av[kW];
+          st.v.store(av);
+          double W = 0.0;
+          for (int64_t l = 0; l < kW; ++l) {
+            if (amy[l] == -kInf) continue;
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
+            const double a = std::exp(-dyl * kZUnit);
+            if (a == 0.0) continue;  // no mass left in double: skip (its v may be inf)
+            W += a * (static_cast<double>(av[l]) - (dyl - dxl) * asy[l]);
+          }
+          r.v[kStatForwardKl] = static_cast<float>(kZUnit * W / cy.s - log_s + std::log(cx.s));
         }
       }
     }

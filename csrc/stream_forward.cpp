@@ -60,7 +60,8 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
     using T = typename decltype(tag)::type;
     using R = typename decltype(ref_tag)::type;
     if (has_ref) {
-      with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy>(mode, [&](auto m) {
+      with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy, kRef | kForwardKl,
+                kRef | kForwardKl | kEntropy>(mode, [&](auto m) {
         run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out);
       });
     } else if constexpr (std::is_same_v<T, R>) {

@@ -9,10 +9,12 @@ from kltriton.dropins import (entropy_from_logits, logprobs_of_labels, selective
                               selective_log_softmax_and_entropy)
 from kltriton.functional.fused_kl_reward import KLReward, fused_kl_reward
 from kltriton.functional.policy_loss import PolicyLossOutput, policy_loss
+from kltriton.functional.token_divergence import token_divergence
 from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.linear_logits import LinearLogits
 from kltriton.truncation import Truncation
+from kltriton.topk import TopK
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,8 @@ __all__ = [
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
     "set_validation",
+    "TopK",
+    "token_divergence",
     "token_kl",
     "token_logprobs",
     "Truncation",

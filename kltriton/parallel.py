@@ -32,8 +32,9 @@ import torch.distributed as dist
 from kltriton._inputs import host_checks
 from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
 from kltriton.kernels.statistics import NOT_HERE, StreamStats
+from kltriton.kernels.linear import Side
 from kltriton.kernels.rows import as_rows3d
-from kltriton.ops import linear, stream
+from kltriton.ops import divergence, linear, stream
 from kltriton.ops import truncation as truncation_ops
 
 # Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
@@ -198,9 +199,9 @@ class _ShardStream(torch.autograd.Function):
         stats = StreamStats(*values)
         basis = statistics.gradient_basis(dict(zip(statistics.NAMES, grads)), stats, temperature)
         basis = basis._replace(label=torch.where(own, basis.label, 0))  # the label term on its own shard only
-        with_logq = basis.p_logq is not None
-        grad = stream.stream_backward(logits, ref_logits if with_logq else None, target, temperature, stats.lse,
-                                      stats.ref_lse if with_logq else None, *basis, ctx.backend)
+        with_ref = basis.reads_ref()
+        grad = stream.stream_backward(logits, ref_logits if with_ref else None, target, temperature, stats.lse,
+                                      stats.ref_lse if with_ref else None, *basis, ctx.backend)
         return grad, None, None, None, None, None, None, None
 
 
@@ -411,3 +412,138 @@ def shard_truncated(logits, target, temperature, knobs, wanted, backend, shard: 
     floor = shard_floor(logits, target, temperature, knobs, shard.group)
     return StreamStats(*_ShardTruncated.apply(logits, target, temperature, knobs, floor, wanted, backend, shard.group,
                                               shard.start))
+
+
+# --- distillation: the JSD's second pass and a top-k teacher's columns over vocab shards -----------------------
+
+def _any_column(target):
+    """A kernel target for the passes that read no label: each scored row on column 0 of the shard (sentinels
+    stay)."""
+    return torch.where(target >= 0, torch.zeros_like(target), target)
+
+
+class _ShardJsd(torch.autograd.Function):
+    """The JSD pass (``kltriton.kernels.divergence``) over vocab shards: each rank sums its shard's terms with the
+    global log-sum-exps, one all-reduce of two values per row adds them; backward: the local gradient kernel with
+    the global ``KL(p || m)`` (no collective)."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, target, temperature, lse, ref_lse, beta, backend, group):
+        kernel_target = _any_column(target)
+        local = divergence.jsd_forward(logits, ref_logits, kernel_target, temperature, lse, ref_lse, beta, backend)
+        jsd, kl_student = _all_reduce(torch.stack(local), group).unbind(0)
+        ctx.save_for_backward(logits, ref_logits, kernel_target, temperature, lse, ref_lse, beta, kl_student)
+        ctx.backend = backend
+        ctx.mark_non_differentiable(kl_student)
+        ctx.set_materialize_grads(False)
+        return jsd, kl_student
+
+    @staticmethod
+    def backward(ctx, g, _):
+        logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_student = ctx.saved_tensors
+        if g is None:
+            return (None,) * 9
+        coef = divergence.jsd_coefficients(g, beta, temperature)
+        grad = divergence.jsd_backward(logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_student, coef,
+                                       ctx.backend)
+        return (grad, *[None] * 8)
+
+
+class _ShardLinearJsd(torch.autograd.Function):
+    """The JSD pass of ``LinearLogits`` over weight shards: local tiles, one all-reduce of two values per row;
+    backward: the local weight / bias gradients, the hidden gradient all-reduced."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap, target,
+                temperature, lse, ref_lse, beta, tile_elements, backend, group):
+        sides = (x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
+        kernel_target = _any_column(target)
+        local = divergence.linear_jsd_forward(*sides, kernel_target, temperature, lse, ref_lse, beta, tile_elements,
+                                              backend)
+        jsd, kl_student = _all_reduce(torch.stack(local), group).unbind(0)
+        ctx.save_for_backward(*sides, kernel_target, temperature, lse, ref_lse, beta, kl_student)
+        ctx.flags = (tile_elements, backend, group)
+        ctx.mark_non_differentiable(kl_student)
+        ctx.set_materialize_grads(False)
+        return jsd, kl_student
+
+    @staticmethod
+    def backward(ctx, g, _):
+        saved = ctx.saved_tensors
+        sides, (target, temperature, lse, ref_lse, beta, kl_student) = saved[:10], saved[10:]
+        tile_elements, backend, group = ctx.flags
+        want = list(ctx.needs_input_grad[:3])
+        if g is None or not any(want):
+            return (None,) * 18
+        coef = divergence.jsd_coefficients(g, beta, temperature)
+        d_x, d_weight, d_bias = divergence.linear_jsd_backward(*sides, target, temperature, lse, ref_lse, beta,
+                                                               kl_student, coef, *want, tile_elements, backend)
+        if want[0] and sides[1] is not None:  # hidden states: every shard's part of the sum
+            d_x = _all_reduce(d_x, group)
+        return (*(d if w else None for d, w in zip((d_x, d_weight, d_bias), want)), *[None] * 15)
+
+
+def shard_jsd(policy, ref, target, temperature, lse, ref_lse, beta, tile_elements, backend, shard: VocabShard):
+    """``(jsd, kl_student)`` ``[N]`` of the full rows from this rank's vocab shard, given the global log-sum-exps
+    (``shard_stream`` / ``shard_linear``). ``policy`` / ``ref``: tensors (logits shards) or ``Side`` tuples (a
+    ``LinearLogits`` with a weight shard, ``tile_elements`` its working tile). Differentiable w.r.t. the student."""
+    if isinstance(policy, torch.Tensor):
+        return _ShardJsd.apply(policy, ref, target, temperature, lse, ref_lse, beta, backend, shard.group)
+    return _ShardLinearJsd.apply(*policy, *ref, target, temperature, lse, ref_lse, beta, tile_elements, backend,
+                                 shard.group)
+
+
+def _own_columns(ids, start, size):
+    """``(own, local_ids)``: which of the global column ``ids [N, K]`` this shard holds, and their local ids (-1
+    elsewhere)."""
+    own = (ids >= start) & (ids < start + size)
+    return own, torch.where(own, ids - start, torch.full_like(ids, -1))
+
+
+def _gathered_columns(local, own, ids, target, group):
+    """Every shard's log-probs at its own columns, summed over the ranks (one all-reduce of ``K`` values per row):
+    ``-inf`` at padding ids, 0 on unscored rows."""
+    summed = _all_reduce(torch.where(own, local, torch.zeros_like(local)), group)
+    summed = torch.where(ids >= 0, summed, torch.full_like(summed, float("-inf")))
+    return torch.where((target >= 0)[:, None], summed, torch.zeros_like(summed))
+
+
+class _ShardColumns(torch.autograd.Function):
+    """A top-k teacher's ``K`` columns of the student's log-probs over vocab shards (logits or ``LinearLogits``):
+    each rank gathers the columns it holds with the global ``lse``, one all-reduce; backward: the dense ``p`` term
+    on every shard, the columns' own terms on the shard that holds them (no collective for logits; the hidden
+    gradient of a ``LinearLogits`` all-reduced)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, softcap, ids, target, temperature, lse, tile_elements, backend, group,
+                start):
+        side = Side(x, weight, bias, scale, softcap)
+        size = x.shape[-1] if weight is None else weight.shape[0]
+        own, local_ids = _own_columns(ids, start, size)
+        target = _any_column(target)  # the backward's kernels read no label (their label term is 0)
+        local = divergence.column_logprobs_of(side, local_ids, target, temperature, lse, tile_elements)
+        logp = _gathered_columns(local, own, ids, target, group)
+        ctx.save_for_backward(x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse, logp)
+        ctx.flags = (tile_elements, backend, group)
+        return logp
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, bias, scale, softcap, ids, local_ids, target, temperature, lse, logp = ctx.saved_tensors
+        tile_elements, backend, group = ctx.flags
+        want = list(ctx.needs_input_grad[:3])
+        if weight is None:
+            grad = divergence.column_gradient(x, ids, target, temperature, lse, logp, g, backend, local_ids)
+            return (grad, *[None] * 12)
+        d_x, d_weight, d_bias = divergence.linear_column_gradients(
+            Side(x, weight, bias, scale, softcap), ids, target, temperature, lse, g, want, tile_elements, backend,
+            local_ids)
+        if want[0]:
+            d_x = _all_reduce(d_x, group)
+        return (d_x, d_weight, d_bias, *[None] * 10)
+
+
+def shard_columns(side, ids, target, temperature, lse, tile_elements, backend, shard: VocabShard) -> torch.Tensor:
+    """``[N, K]`` student log-probs at the global column ``ids`` from this rank's shard (``side``: a ``Side`` of logits
+    or of a ``LinearLogits`` weight shard), given the global ``lse``; differentiable w.r.t. the student."""
+    return _ShardColumns.apply(*side, ids, target, temperature, lse, tile_elements, backend, shard.group, shard.start)

@@ -28,6 +28,20 @@ Truncated statistics (``truncation=``, the policy side; ``truncated_statistics``
 
 A ``policy_loss`` with a truncation is two-pass.
 
+``token_divergence`` (distillation), by teacher:
+
+| teacher                              | divergence        | route                                                      |
+|--------------------------------------|-------------------|------------------------------------------------------------|
+| logits / ``LinearLogits``            | forward / reverse | the statistics route (``forward_kl`` / ``full_kl``)        |
+| logits / ``LinearLogits``            | JSD               | the statistics route for both ``lse``, then the JSD pass:  |
+|                                      |                   | ``ops.divergence.(linear_)jsd_forward`` / ``parallel.shard_jsd`` |
+| ``TopK``                             | any               | the student's ``lse`` (statistics route), then its ``K`` columns: |
+|                                      |                   | ``ops.divergence.(linear_)column_logprobs`` / ``parallel.shard_columns`` |
+
+With a reduction (``divergence_route``), a dense teacher and no vocab sharding, the loss is ``"fused"``:
+``ops.divergence.(linear_)divergence_loss`` writes its gradient in the forward (the policy-loss rule: not for a
+tensor student with a ``LinearLogits`` teacher); otherwise ``"two-pass"``: the routes above and autograd.
+
 ``parallel`` (vocab-parallel) is imported here only.
 """
 from typing import Optional, Tuple
@@ -35,6 +49,9 @@ from typing import Optional, Tuple
 import torch
 
 from kltriton import dispatch, parallel
+from kltriton.kernels import OUT_OF_RANGE
+from kltriton.kernels import statistics as stats_table
+from kltriton.kernels.divergence import KINDS, composed
 from kltriton.kernels.linear import Side
 from kltriton.kernels.linear.tiles import default_tile_elements
 from kltriton.kernels.loss import terms
@@ -42,6 +59,7 @@ from kltriton.kernels.statistics import StreamStats
 from kltriton.linear_logits import LinearLogits, is_linear
 from kltriton.kernels.truncation import linear as truncation_linear
 from kltriton.kernels.truncation import replay
+from kltriton.ops import divergence as divergence_ops
 from kltriton.ops import linear, loss, stream
 from kltriton.ops import truncation as truncation_ops
 
@@ -166,3 +184,82 @@ def truncated_statistics(logits, target, temperature, truncation, layout, wanted
     width = logits.shape[-1] if group is None else parallel.widest_shard(logits.shape[-1], device, group)
     tile_rows = max(1, (logits.tile_elements or default_tile_elements(device.type)) // width)
     return truncation_linear.statistics(side, tile, tile_rows)
+
+
+# --- distillation -----------------------------------------------------------------------------------------------
+
+def divergence_route(student, teacher, reduction: str, is_topk: bool, vocab_shard) -> str:
+    """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (see the module docstring)."""
+    fused = (reduction != "none" and not is_topk and vocab_shard is None
+             and (is_linear(student) or not is_linear(teacher)))
+    return "fused" if fused else "two-pass"
+
+
+def divergence(student, teacher, target, temperature, kind: str, beta, entropy: bool, backend_name: str,
+               vocab_shard: Optional[parallel.VocabShard] = None):
+    """``(divergence [N], entropy)`` of a dense teacher (logits or ``LinearLogits``), differentiable w.r.t. the
+    student; ``entropy`` the student's (``[0]`` unless asked for). ``kind``: a name of ``kernels.divergence.KINDS``."""
+    stat = KINDS[kind]
+    stats = statistics(student, teacher, target, temperature, composed.wanted(kind, entropy), backend_name,
+                       vocab_shard)
+    if stat is not None:
+        return getattr(stats, stat), stats.entropy
+    lse, ref_lse = stats.lse.detach(), stats.ref_lse.detach()
+    if vocab_shard is not None:  # a label that no shard holds: NaN, as the statistics give it
+        target = torch.where((target >= 0) & torch.isnan(stats.logp.detach()), OUT_OF_RANGE, target)
+    if family(student, teacher) == "linear":
+        policy, ref, tile = linear_sides(student, teacher)
+        if vocab_shard is not None:
+            jsd, _ = parallel.shard_jsd(policy, ref, target, temperature, lse, ref_lse, beta, tile, backend_name,
+                                        vocab_shard)
+        else:
+            jsd, _ = divergence_ops.linear_jsd_forward(*policy, *ref, target, temperature, lse, ref_lse, beta, tile,
+                                                       backend_name)
+    elif vocab_shard is not None:
+        jsd, _ = parallel.shard_jsd(student, teacher.detach(), target, temperature, lse, ref_lse, beta, None,
+                                    backend_name, vocab_shard)
+    else:
+        jsd, _ = divergence_ops.jsd_forward(student, teacher.detach(), target, temperature, lse, ref_lse, beta,
+                                            backend_name)
+    return jsd, stats.entropy
+
+
+def divergence_loss(student, teacher, target, temperature, kind: str, beta, weight, entropy: bool,
+                    backend_name: Optional[str]):
+    """``(loss, divergence [N], entropy)`` of the ``"fused"`` route: ``sum weight * divergence`` with the student's
+    gradient written in the forward (only what requires grad gets one)."""
+    if is_linear(student):
+        policy, ref, tile = linear_sides(student, teacher)
+        want = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in policy[:3]]
+        out = divergence_ops.linear_divergence_loss(*policy, *ref, target, temperature, weight, kind, beta, entropy,
+                                                    *want, tile, backend(backend_name, student, teacher))
+        return out[:3]
+    with_grad = torch.is_grad_enabled() and student.requires_grad
+    out = divergence_ops.divergence_loss(student, teacher.detach(), target, temperature, weight, kind, beta, entropy,
+                                         with_grad, backend(backend_name, student, family_name="divergence"))
+    return out[:3]
+
+
+def columns(student, ids, target, temperature, entropy: bool, backend_name: str,
+            vocab_shard: Optional[parallel.VocabShard] = None):
+    """``(column log-probs [N, K], entropy)``: ``log softmax(student / T)`` at ``ids [N, K]`` (global ids, ``-1``
+    padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student, from its ``lse`` and its logits at
+    the ids; ``entropy`` the student's (``[0]`` unless asked for). ``LinearLogits``: one pass over the GEMM tiles
+    gathers the columns (vocab-sharded: the statistics route, then a ``K``-column gather of the LM head rows);
+    logits: the statistics route, then a ``K``-column gather."""
+    if is_linear(student) and vocab_shard is None:
+        tile = student.tile_elements or default_tile_elements(student.device.type)
+        logp, _, student_entropy = divergence_ops.linear_column_logprobs(*student.side(), ids, target, temperature,
+                                                                         entropy, tile, backend_name)
+        return logp, student_entropy
+    stats = statistics(student, None, target, temperature, stats_table.request(entropy=entropy), backend_name,
+                       vocab_shard)
+    lse = stats.lse.detach()
+    if is_linear(student):
+        side, tile = student.side(), student.tile_elements or default_tile_elements(student.device.type)
+    else:
+        side, tile = _side(student), default_tile_elements(student.device.type)
+    if vocab_shard is not None:
+        return parallel.shard_columns(side, ids, target, temperature, lse, tile, backend_name, vocab_shard), \
+            stats.entropy
+    return divergence_ops.column_logprobs(student, ids, target, temperature, lse, tile, backend_name), stats.entropy

@@ -132,5 +132,5 @@ def kernel_backward(impl, x, y, t, temperature, stats, g_logp, g_entropy=None, g
     from kltriton.kernels import statistics
 
     basis = statistics.gradient_basis({"logp": g_logp, "entropy": g_entropy, "full_kl": g_full_kl}, stats, temperature)
-    logq = basis.p_logq is not None
+    logq = basis.reads_ref()
     return impl.backward(x, y if logq else None, t, temperature, stats.lse, stats.ref_lse if logq else None, basis)

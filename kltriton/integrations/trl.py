@@ -1,6 +1,8 @@
-"""TRL (tested with 1.16): ``GRPOTrainer`` computes its log-probs, entropy and loss with kltriton.
+"""TRL (tested with 1.16): ``GRPOTrainer`` computes its log-probs, entropy and loss with kltriton, and the
+distillation trainers their divergence.
 
-``apply()`` changes two things of ``trl.trainer.grpo_trainer``, and ``undo()`` puts them back:
+``apply()`` changes two things of ``trl.trainer.grpo_trainer``, three of TRL's distillation (below), and
+``undo()`` puts them back:
 
 - ``add_fused_lm_head``, which ``GRPOTrainer.__init__`` calls on the policy and the reference model:
   TRL's head is still added, then wrapped by one whose ``fused_lm_head=True`` call projects only the
@@ -12,6 +14,18 @@
   onto it (see ``policy_loss_arguments``), the loss is computed from the hidden states by
   ``kltriton.policy_loss``; otherwise TRL's own ``_compute_loss`` runs (on kltriton's log-probs), with
   one log line per reason.
+
+Distillation (``kltriton.token_divergence`` from the models' hidden states, never the ``[B, T, V]`` logits):
+
+- ``GKDTrainer.compute_loss`` (``trl.experimental.gkd``): the student's and the teacher's backbones give hidden
+  states, their LM heads become ``LinearLogits``, and the loss is the generalized JSD of TRL's
+  ``generalized_jsd_loss`` (its ``beta``, temperature 1 and ``batchmean`` reduction, or ``sum / num_items_in_batch``)
+  with the student's gradient written in the forward. TRL's own ``compute_loss`` runs, with a log line, where the
+  caller wants the student's outputs (``return_outputs=True``), for MoE models, sharded heads or multimodal inputs.
+- ``GKDTrainer.generalized_jsd_loss``: the same function on logits; ``reduction="none"`` (TRL returns the
+  elementwise ``[M, V]`` terms) runs TRL's own code, with a log line.
+- ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (``DistillationTrainer``'s loss): the same signature
+  and results (loss, the student's entropy sum, the scored count); TRL's own for sharded (``DTensor``) heads.
 
 A function rather than a trainer subclass: it also works for trainers built by TRL's CLI and for
 users' own ``GRPOTrainer`` subclasses. Nothing is imported before ``apply()`` is called.
@@ -58,6 +72,7 @@ def _install(patch: Patch) -> None:
 
     patch.set(grpo_trainer, "add_fused_lm_head", add_fused_lm_head)
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
+    _install_distillation(patch)
 
 
 _integration = Integration("TRL", _install, package="trl", extra="trl", tested="1.16.0")
@@ -285,3 +300,149 @@ def _log_metrics(trainer, mode, out, mask, advantages, loss_type):
 def _nan_reduce(x, fn) -> float:
     x = x[~torch.isnan(x)]
     return float("nan") if x.numel() == 0 else fn(x).item()
+
+
+# ---------------------------------------------------------------------------------------------- distillation
+def _install_distillation(patch: Patch) -> None:
+    """``GKDTrainer.compute_loss`` / ``generalized_jsd_loss`` and ``DistillationTrainer``'s divergence loss."""
+    from trl.experimental.gkd import gkd_trainer
+    from trl.models.utils import _ForwardRedirection
+    from trl.trainer import distillation_trainer
+
+    gkd = patch.resolve(gkd_trainer, "GKDTrainer")
+    trl_gkd_compute_loss = patch.resolve(gkd, "compute_loss")
+    trl_jsd = patch.resolve(gkd, "generalized_jsd_loss")
+    trl_chunked = patch.resolve(distillation_trainer, "_chunked_divergence_loss")
+    redirect = _ForwardRedirection()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        reason = _why_trl_gkd(self, model, inputs, return_outputs)
+        if reason is not None:
+            _log_once(f"GKDTrainer loss: TRL's own code, because {reason}")
+            return trl_gkd_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        _log_once(f"GKDTrainer loss: kltriton.token_divergence (generalized JSD, beta={self.beta}) from the hidden "
+                  "states")
+        student = self.accelerator.unwrap_model(model)
+        # Through the wrapper's forward (DDP / FSDP hooks), as TRL's DistillationTrainer does.
+        return redirect(model, student, _gkd_loss, self, student, inputs, num_items_in_batch)
+
+    def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
+                             reduction="batchmean", num_items_in_batch=None):
+        if reduction not in ("batchmean", "sum", "mean") and num_items_in_batch is None:
+            _log_once(f"GKDTrainer.generalized_jsd_loss: TRL's own code, because reduction={reduction!r} returns "
+                      "the elementwise terms")
+            return trl_jsd(student_logits, teacher_logits, labels=labels, beta=beta, temperature=temperature,
+                           reduction=reduction, num_items_in_batch=num_items_in_batch)
+        return _jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch)
+
+    def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                                teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
+                                student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                                teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                                teacher_final_logit_softcapping=None, temperature=1.0):
+        args = (student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
+                student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
+                teacher_final_logit_softcapping, temperature)
+        if any(_is_sharded(w) for w in (student_lm_head_weight, teacher_lm_head_weight)):
+            _log_once("DistillationTrainer loss: TRL's own chunked kernels, because the LM heads are sharded "
+                      "(DTensor)")
+            return trl_chunked(*args)
+        _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from the "
+                  "hidden states")
+        return _distillation_loss(*args)
+
+    patch.set(gkd, "compute_loss", compute_loss)
+    patch.set(gkd, "generalized_jsd_loss", staticmethod(generalized_jsd_loss))
+    patch.set(distillation_trainer, "_chunked_divergence_loss", chunked_divergence_loss)
+
+
+def _is_sharded(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch):
+    """TRL's ``generalized_jsd_loss`` (a reduced loss) by ``kltriton.token_divergence``: ``labels`` ``-100`` are not
+    scored (None: every position, and ``batchmean`` divides by the batch size, as TRL's ``jsd.size(0)``)."""
+    if labels is None:
+        labels = torch.zeros(student_logits.shape[:-1], dtype=torch.long, device=student_logits.device)
+        if reduction == "batchmean" and num_items_in_batch is None:
+            num_items_in_batch = max(student_logits.shape[0], 1)
+    if num_items_in_batch is not None:
+        total = kltriton.token_divergence(student_logits, teacher_logits, labels, divergence="jsd", beta=beta,
+                                          temperature=temperature, reduction="sum")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    return kltriton.token_divergence(student_logits, teacher_logits, labels, divergence="jsd", beta=beta,
+                                     temperature=temperature, reduction=reduction)
+
+
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+
+
+def _why_trl_gkd(trainer, model, inputs, return_outputs) -> Optional[str]:
+    """``None`` when kltriton computes ``GKDTrainer``'s loss from the hidden states, else why TRL's code runs."""
+    if return_outputs:
+        return "the caller asked for the student's outputs (return_outputs=True)"
+    for name, m in (("student", trainer.accelerator.unwrap_model(model)),
+                    ("teacher", trainer.accelerator.unwrap_model(trainer.teacher_model))):
+        head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+        if head is None or not hasattr(m, "base_model"):
+            return f"the {name} model has no LM head and backbone to read hidden states from"
+        if _is_sharded(head.weight):
+            return f"the {name}'s LM head is sharded (DTensor)"
+        if isinstance(_head_scaling(m), str):
+            return f"the {name}: {_head_scaling(m)}"
+    if any(inputs.get(k) is not None for k in _MULTIMODAL_INPUTS):
+        return "the inputs are multimodal"
+    return None
+
+
+def _head_logits(model, input_ids, attention_mask):
+    """The model's next-token logits as ``LinearLogits``: its backbone's hidden states (the last position dropped)
+    and its LM head, with the head's scaling from the config."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    logit_scale, softcap = _head_scaling(model)
+    return kltriton.LinearLogits(hidden[:, :-1].to(head.weight.dtype), head.weight, head.bias,
+                                 logit_scale=logit_scale, softcap=softcap)
+
+
+def _gkd_loss(trainer, student, inputs, num_items_in_batch):
+    """``GKDTrainer.compute_loss`` by ``kltriton.token_divergence``: TRL's causal shift, ``generalized_jsd_loss`` with
+    the trainer's ``beta`` at temperature 1 (as TRL calls it), ``batchmean`` or ``sum / num_items_in_batch``."""
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    teacher.eval()
+    student_logits = _head_logits(student, inputs["input_ids"], inputs["attention_mask"])
+    with torch.no_grad():
+        teacher_logits = _head_logits(teacher, inputs["input_ids"], inputs["attention_mask"])
+    return _jsd_loss(student_logits, teacher_logits, inputs["labels"][:, 1:], trainer.beta, 1.0, "batchmean",
+                     num_items_in_batch)
+
+
+def _distillation_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
+                       completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
+                       student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
+                       teacher_final_logit_softcapping, temperature):
+    """``DistillationTrainer``'s ``_chunked_divergence_loss`` by ``kltriton.token_divergence``: ``(loss, the student's
+    entropy summed over the scored positions, their count)``, the loss ``sum / count`` (clamped at 1) or
+    ``sum / num_items_in_batch``."""
+    mask = completion_mask != 0
+    labels = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    student = kltriton.LinearLogits(student_hidden_states, student_lm_head_weight, student_lm_head_bias,
+                                    logit_scale=float(student_logit_scale), softcap=student_final_logit_softcapping)
+    teacher = kltriton.LinearLogits(teacher_hidden_states.to(teacher_lm_head_weight.dtype), teacher_lm_head_weight,
+                                    teacher_lm_head_bias, logit_scale=float(teacher_logit_scale),
+                                    softcap=teacher_final_logit_softcapping)
+    total, entropy = kltriton.token_divergence(student, teacher, labels, divergence="jsd", beta=beta,
+                                               temperature=temperature, reduction="sum", mask=mask,
+                                               return_entropy=True)
+    count = mask.sum()
+    if num_items_in_batch is None:
+        loss = total / count.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        loss = total / num_items_in_batch
+    return loss, entropy.sum(), count

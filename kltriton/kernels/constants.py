@@ -14,15 +14,17 @@ OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off):
 # Request bits: a forward computes the statistics whose bit is in its request (0: always computed).
 # A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
 ENTROPY, REF, FULL_KL = 1, 2, 4
+FORWARD_KL = 8  # KL(q || p) of the reference (a distillation teacher) against the policy (the student)
 # The statistics in the order of every bundle (``StreamStats``, the C++ ops' output lists), with the
 # request bit that asks for each.
 STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),
-              ("full_kl", FULL_KL))
+              ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL))
 # The stream backward's gradient, per row, on this basis (each coefficient already divided by T):
-#   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q)
-GRADIENT_BASIS = ("label", "p", "p_logp", "p_logq")
+#   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q
+GRADIENT_BASIS = ("label", "p", "p_logp", "p_logq", "q")
 # Backward variants: which optional basis terms a kernel evaluates (label and p always).
 P_LOGP, P_LOGQ = 1, 2
+Q = 4  # the reference's probabilities (the forward KL's gradient p - q)
 
 # --- the loss family ------------------------------------------------------------------------------
 # Loss types and KL estimators cross into the kernels by name (Triton: constexpr strings; C++: matched
@@ -33,8 +35,9 @@ HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp")
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
 CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
-               "truncation.cpp")
-CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h")
+CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
+               "truncation.cpp", "divergence.cpp")
+CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order
@@ -52,8 +55,10 @@ def cpp_defines() -> list:
     ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_LOG_RATIO_CLAMP``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
              f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
+             f"-DKLTRITON_WANT_FORWARD_KL={FORWARD_KL}",
              f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_BASIS_P_LOGP={P_LOGP}",
-             f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}",
+             f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_BASIS_Q={Q}",
+             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}",
              f"-DKLTRITON_LOG_RATIO_CLAMP={LOG_RATIO_CLAMP!r}"]
     flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
     flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]

@@ -39,11 +39,16 @@ class Pieces(NamedTuple):
 
 class Basis(NamedTuple):
     """Per-row coefficients (``[N]`` float64, before the division by ``T``) on ``constants.GRADIENT_BASIS``:
-    ``grad = label * onehot - p * (p + p_logp * log p + p_logq * log q)``; None: the term is absent."""
+    ``grad = label * onehot - p * (p + p_logp * log p + p_logq * log q) - q * q``; None: the term is absent."""
     label: torch.Tensor
     p: torch.Tensor
     p_logp: Optional[torch.Tensor] = None
     p_logq: Optional[torch.Tensor] = None
+    q: Optional[torch.Tensor] = None
+
+    def reads_ref(self) -> bool:
+        """Whether a term needs the reference logits (and their log-sum-exp): ``log q`` or ``q``."""
+        return self.p_logq is not None or self.q is not None
 
 
 class Statistic(NamedTuple):
@@ -96,6 +101,19 @@ def _full_kl_gradient(g, value, basis: Basis) -> Basis:
     return basis._replace(p=basis.p + _times(g, value), p_logp=_add(basis.p_logp, -g), p_logq=_add(basis.p_logq, g))
 
 
+def _forward_kl_gradient(g, value, basis: Basis) -> Basis:
+    """``g * (p - q)``."""
+    return basis._replace(p=basis.p - g, q=_add(basis.q, g))
+
+
+def _kl_pieces(w, local_kl, shift, other_shift):
+    """``KL(a || b)`` of whole rows from pieces: ``sum_k w_k (KL_k + shift_k - other_shift_k)`` (``w``, ``shift``: the
+    shares of ``a``, ``other_shift``: of ``b``). A piece where ``a`` has mass and ``b`` none adds ``+inf`` (its local
+    KL, of a ``b`` that is all ``-inf``, is NaN)."""
+    inf = torch.full((), float("inf"), dtype=w.dtype, device=w.device)
+    return weighted_sum(w, torch.where(other_shift == float("-inf"), inf, local_kl + shift - other_shift))
+
+
 def _logsumexp(name):
     return lambda pieces: torch.logsumexp(pieces.local[name], 0)
 
@@ -108,8 +126,12 @@ SPECS = {
     "ref_logp": Statistic("ref_logp", constants.REF, lambda pc: _label_logp(pc.local["ref_logp"], pc.ref_shift)),
     "ref_lse": Statistic("ref_lse", constants.REF, _logsumexp("ref_lse")),
     "full_kl": Statistic("full_kl", constants.FULL_KL,
-                         lambda pc: weighted_sum(pc.w, pc.local["full_kl"] + pc.shift - pc.ref_shift),
+                         lambda pc: _kl_pieces(pc.w, pc.local["full_kl"], pc.shift, pc.ref_shift),
                          _full_kl_gradient),
+    # KL(q || p): the reference's mass shares weigh the pieces.
+    "forward_kl": Statistic("forward_kl", constants.FORWARD_KL,
+                            lambda pc: _kl_pieces(pc.ref_w, pc.local["forward_kl"], pc.ref_shift, pc.shift),
+                            _forward_kl_gradient),
 }
 STATISTICS: Tuple[Statistic, ...] = tuple(SPECS[name] for name, _ in constants.STATISTICS)
 assert all(SPECS[name].request == bit for name, bit in constants.STATISTICS)
@@ -123,12 +145,12 @@ StreamStats.__doc__ = ("Per-row statistics ``[N]`` in ``constants.STATISTICS`` o
 StatsTuple = Tuple[(torch.Tensor,) * len(NAMES)]
 
 
-def request(*, entropy=False, ref=False, full_kl=False) -> int:
-    """The request bits of a forward (``full_kl`` needs ``ref``)."""
-    if full_kl and not ref:
+def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False) -> int:
+    """The request bits of a forward (``full_kl`` and ``forward_kl`` need ``ref``)."""
+    if (full_kl or forward_kl) and not ref:
         raise ValueError("the full KL needs reference logits")
-    return (constants.ENTROPY if entropy else 0) | (constants.REF if ref else 0) | (constants.FULL_KL if full_kl
-                                                                                    else 0)
+    return ((constants.ENTROPY if entropy else 0) | (constants.REF if ref else 0)
+            | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0))
 
 
 def present(wanted: int, name: str) -> bool:

@@ -5,8 +5,8 @@ per-lane *state* tuple, merged, and finalized into the statistics of ``kltriton.
 their order (``constants.STATISTICS``). The state, with ``w = (x - frame) * log2(e) / T`` and the frame
 the running max (``_frame``):
 
-    (m, s, t, my, sy, u): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
-                          sy = sum 2^wy, u = sum 2^w * (w - wy)
+    (m, s, t, my, sy, u, v): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
+                             sy = sum 2^wy, u = sum 2^w * (w - wy), v = sum 2^wy * (wy - w)
 
 Each lane keeps its own state over the values it loads, so the vocab loop has no barrier; lanes (and
 vocab chunks of a split row) are merged once, in a fixed order. ``WANT`` (a constexpr) holds the request
@@ -31,15 +31,17 @@ SKIP = tl.constexpr(constants.SKIP)
 WANT_ENTROPY = tl.constexpr(constants.ENTROPY)
 WANT_REF = tl.constexpr(constants.REF)
 WANT_FULL_KL = tl.constexpr(constants.FULL_KL)
+WANT_FORWARD_KL = tl.constexpr(constants.FORWARD_KL)
 BASIS_P_LOGP = tl.constexpr(constants.P_LOGP)
 BASIS_P_LOGQ = tl.constexpr(constants.P_LOGQ)
+BASIS_Q = tl.constexpr(constants.Q)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Exponents are kept in base-2 units. exp2 of anything below W_FLOOR is 0 in fp32, so clamping a
 # difference there changes no value and keeps 0 * -inf (a banned token) out of the sums.
 W_FLOOR = tl.constexpr(-150.0)
 NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
-STATE_SIZE = 6  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
+STATE_SIZE = 7  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
 
 # Launch settings (not yet tuned on hardware: see benchmarks/static.py for what they compile to).
 NUM_WARPS = 8
@@ -162,13 +164,13 @@ def empty_state(LANES: tl.constexpr):
     """The state of no values, one per lane: maxima ``-inf``, sums 0."""
     inf = tl.full((LANES,), NEG_INF, tl.float32)
     zero = tl.zeros((LANES,), tl.float32)
-    return inf, zero, zero, inf, zero, zero
+    return inf, zero, zero, inf, zero, zero, zero
 
 
 @triton.jit
 def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
     """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``."""
-    m, s, t, my, sy, u = state
+    m, s, t, my, sy, u, v = state
     f_new = _frame(m_new)
     d = _shift(_frame(m), f_new, c2, W_FLOOR)
     alpha = tl.exp2(d)
@@ -177,11 +179,16 @@ def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
         t = alpha * t + s_moved * d
     if WANT_REF & WANT:
         fy_new = _frame(my_new)
-        sy = sy * tl.exp2(_shift(_frame(my), fy_new, c2, W_FLOOR))
+        dy = _shift(_frame(my), fy_new, c2, W_FLOOR)
+        alpha_y = tl.exp2(dy)
+        sy = sy * alpha_y
         if WANT_FULL_KL & WANT:
             # No W_FLOOR for the reference: a far smaller log q is a large finite KL term.
             u = alpha * u + s_moved * (d - _shift(_frame(my), fy_new, c2, NEG_FLT_MAX))
-    return m_new, s_moved, t, my_new, sy, u
+        if WANT_FORWARD_KL & WANT:
+            # The same with the roles swapped: a far smaller log p is a large finite forward-KL term.
+            v = alpha_y * v + sy * (dy - _shift(_frame(m), f_new, c2, NEG_FLT_MAX))
+    return m_new, s_moved, t, my_new, sy, u, v
 
 
 @triton.jit
@@ -192,8 +199,9 @@ def fold(x, y, state, c2, WANT: tl.constexpr):
     my_new = state[3]
     if WANT_REF & WANT:
         my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
-    m, s, t, my, sy, u = _rescale(state, m_new, my_new, c2, WANT)
-    w = (x - _frame(m)[None, :, None]) * c2
+    m, s, t, my, sy, u, v = _rescale(state, m_new, my_new, c2, WANT)
+    w_raw = (x - _frame(m)[None, :, None]) * c2
+    w = w_raw
     if (WANT_ENTROPY | WANT_FULL_KL) & WANT:
         w = tl.maximum(w, W_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit stays NaN
     e = tl.exp2(w)
@@ -202,11 +210,15 @@ def fold(x, y, state, c2, WANT: tl.constexpr):
         t += tl.sum(tl.sum(e * w, axis=2), axis=0)
     if WANT_REF & WANT:
         wy = (y - _frame(my)[None, :, None]) * c2
-        sy += tl.sum(tl.sum(tl.exp2(wy), axis=2), axis=0)
+        ey = tl.exp2(wy)
+        sy += tl.sum(tl.sum(ey, axis=2), axis=0)
         if WANT_FULL_KL & WANT:
             # A token the reference bans (wy = -inf) that the policy uses gives KL = inf.
             u += tl.sum(tl.sum(tl.where(e > 0, e * (w - wy), 0.0), axis=2), axis=0)
-    return m, s, t, my, sy, u
+        if WANT_FORWARD_KL & WANT:
+            # A token the policy bans (w = -inf) that the reference uses gives KL(q || p) = inf.
+            v += tl.sum(tl.sum(tl.where(ey > 0, ey * (wy - w_raw), 0.0), axis=2), axis=0)
+    return m, s, t, my, sy, u, v
 
 
 @triton.jit
@@ -216,8 +228,8 @@ def merge(state, c2, WANT: tl.constexpr):
     my_all = m_all
     if WANT_REF & WANT:
         my_all = tl.max(state[3], axis=0)
-    m, s, t, my, sy, u = _rescale(state, m_all, my_all, c2, WANT)
-    return m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0)
+    m, s, t, my, sy, u, v = _rescale(state, m_all, my_all, c2, WANT)
+    return m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0), tl.sum(v, axis=0)
 
 
 @triton.jit
@@ -269,14 +281,15 @@ def load_states(ptr, real):
     entries where ``real`` is False are empty states."""
     return (tl.load(ptr, mask=real, other=NEG_INF), tl.load(ptr + 1, mask=real, other=0.0),
             tl.load(ptr + 2, mask=real, other=0.0), tl.load(ptr + 3, mask=real, other=NEG_INF),
-            tl.load(ptr + 4, mask=real, other=0.0), tl.load(ptr + 5, mask=real, other=0.0))
+            tl.load(ptr + 4, mask=real, other=0.0), tl.load(ptr + 5, mask=real, other=0.0),
+            tl.load(ptr + 6, mask=real, other=0.0))
 
 
 @triton.jit
 def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
     """A scored row's statistics from its merged state, in ``constants.STATISTICS`` order: ``(logp, lse,
-    entropy, ref_logp, ref_lse, full_kl)``; those ``WANT`` does not ask for are 0."""
-    m, s, t, my, sy, u = state
+    entropy, ref_logp, ref_lse, full_kl, forward_kl)``; those ``WANT`` does not ask for are 0."""
+    m, s, t, my, sy, u, v = state
     f = _frame(m)
     log_s = tl.log(s)
     logp = _clamp_nonpositive((x_label - f) * inv_temperature - log_s)
@@ -287,6 +300,7 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
     ref_logp = 0.0
     ref_lse = 0.0
     full_kl = 0.0
+    forward_kl = 0.0
     if WANT_REF & WANT:
         fy = _frame(my)
         log_sy = tl.log(sy)
@@ -294,11 +308,14 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
         ref_lse = fy * inv_temperature + log_sy
         if WANT_FULL_KL & WANT:
             full_kl = u / s * LN2 - log_s + log_sy
-    return logp, lse, entropy, ref_logp, ref_lse, full_kl
+        if WANT_FORWARD_KL & WANT:
+            forward_kl = v / sy * LN2 - log_sy + log_s
+    return logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl
 
 
 @triton.jit
-def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr):
+def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
+                forward_kl_ptr=None):
     """``values`` (``constants.STATISTICS`` order) to the present outputs' ``ptr + row`` (absent ones are None;
     passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function). A statistic added later
     takes a trailing ``..._ptr=None`` parameter, so kernels that never produce it need no change."""
@@ -313,6 +330,8 @@ def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_l
         tl.store(ref_lse_ptr + row, values[4])
     if full_kl_ptr is not None:
         tl.store(full_kl_ptr + row, values[5])
+    if forward_kl_ptr is not None:
+        tl.store(forward_kl_ptr + row, values[6])
 
 
 @triton.jit
@@ -320,7 +339,7 @@ def skipped_stats(target):
     """The statistics of a row that is not scored (never read): ``SKIP`` -> 0, ``OUT_OF_RANGE`` -> NaN;
     the log-sum-exps 0."""
     skipped = tl.where(target == SKIP, 0.0, float("nan"))
-    return skipped, 0.0, skipped, skipped, 0.0, skipped
+    return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped
 
 
 # --- the gradient -------------------------------------------------------------------------------------
@@ -328,8 +347,8 @@ def skipped_stats(target):
 @triton.jit
 def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, ENTROPY_TERM: tl.constexpr,
                FULL_KL_TERM: tl.constexpr):
-    """``(c_label, c_p, c_p_logp, c_p_logq)`` (fp32, divided by ``T``) of upstream gradients on ``logp``,
-    ``entropy`` and ``full_kl``, computed in float64 (``kltriton.kernels.statistics.gradient_basis``)."""
+    """``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` (fp32, divided by ``T``; ``c_q`` 0) of upstream gradients on
+    ``logp``, ``entropy`` and ``full_kl``, computed in float64 (``kltriton.kernels.statistics.gradient_basis``)."""
     inv = inv_temperature.to(tl.float64)
     gl = g_logp.to(tl.float64)
     c_p = gl
@@ -345,15 +364,15 @@ def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, 
         c_p_logp -= gk
         c_p_logq = gk
     return ((gl * inv).to(tl.float32), (c_p * inv).to(tl.float32), (c_p_logp * inv).to(tl.float32),
-            (c_p_logq * inv).to(tl.float32))
+            (c_p_logq * inv).to(tl.float32), 0.0)
 
 
 @triton.jit
 def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: tl.constexpr):
     """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
-    ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q)`` with ``basis = (c_label, c_p,
-    c_p_logp, c_p_logq)``; ``TERMS`` (``constants.P_LOGP`` / ``P_LOGQ`` bits) says which optional terms are
-    present (``y``, the reference logits, is read only for ``P_LOGQ``)."""
+    ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q`` with ``basis = (c_label, c_p,
+    c_p_logp, c_p_logq, c_q)``; ``TERMS`` (``constants.P_LOGP`` / ``P_LOGQ`` / ``Q`` bits) says which optional terms
+    are present (``y``, the reference logits, is read only for ``P_LOGQ`` and ``Q``)."""
     log_p = x * inv_temperature - lse
     p = tl.exp(log_p)
     c = basis[1]
@@ -361,8 +380,11 @@ def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: 
         c = c + basis[2] * log_p
     if BASIS_P_LOGQ & TERMS:
         c = c + basis[3] * (y * inv_temperature - ref_lse)
-    if TERMS != 0:
+    if (BASIS_P_LOGP | BASIS_P_LOGQ) & TERMS:
         # p == 0 (x = -inf, or x = finfo.min under a large lse): no mass, no gradient, even where
         # log p is -inf.
         c = tl.where(p == 0, 0.0, c)
-    return tl.where(offs == target.to(tl.int32), basis[0], 0.0) - p * c
+    grad = tl.where(offs == target.to(tl.int32), basis[0], 0.0) - p * c
+    if BASIS_Q & TERMS:
+        grad -= basis[4] * tl.exp(y * inv_temperature - ref_lse)
+    return grad

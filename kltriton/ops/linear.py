@@ -56,7 +56,7 @@ def _backward_kernel(
     bias: Optional[torch.Tensor],
     scale: Optional[torch.Tensor],
     softcap: Optional[torch.Tensor],
-    ref_x: Optional[torch.Tensor],       # read only for the p_logq term
+    ref_x: Optional[torch.Tensor],       # read only for the p_logq and q terms
     ref_weight: Optional[torch.Tensor],
     ref_bias: Optional[torch.Tensor],
     ref_scale: Optional[torch.Tensor],
@@ -64,11 +64,12 @@ def _backward_kernel(
     target: torch.Tensor,                # [N] int64
     temperature: torch.Tensor,           # float64 [] or [N]
     lse: torch.Tensor,                   # [N]
-    ref_lse: Optional[torch.Tensor],     # [N], with the p_logq term
+    ref_lse: Optional[torch.Tensor],     # [N], with the p_logq or q term
     c_label: torch.Tensor,               # [N] gradient basis (kltriton.kernels.statistics.Basis), / T
     c_p: torch.Tensor,
     c_p_logp: Optional[torch.Tensor],
     c_p_logq: Optional[torch.Tensor],
+    c_q: Optional[torch.Tensor],
     want_x: bool,
     want_weight: bool,
     want_bias: bool,
@@ -77,7 +78,8 @@ def _backward_kernel(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d_x, d_weight, d_bias = dispatch.implementation("linear", backend).backward(
         Side(x, weight, bias, scale, softcap), _side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap),
-        target, temperature, lse, ref_lse, Basis(c_label, c_p, c_p_logp, c_p_logq), want_x, want_weight, want_bias,
+        target, temperature, lse, ref_lse, Basis(c_label, c_p, c_p_logp, c_p_logq, c_q), want_x, want_weight,
+        want_bias,
         tile_elements)
     return tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
 
@@ -97,9 +99,9 @@ def backward_from_grads(sides, target, temperature, tile_elements, backend, grad
     ``stats`` of a forward of the ten ``sides`` tensors (``want``: which of the three to compute; the others
     come back empty)."""
     basis = statistics.gradient_basis(grads, stats, temperature)
-    with_logq = basis.p_logq is not None
-    sides = list(sides[:5]) + (list(sides[5:]) if with_logq else [None] * 5)  # the reference: for log q only
-    return linear_backward(*sides, target, temperature, stats.lse, stats.ref_lse if with_logq else None, *basis,
+    with_ref = basis.reads_ref()
+    sides = list(sides[:5]) + (list(sides[5:]) if with_ref else [None] * 5)  # the reference: for log q and q only
+    return linear_backward(*sides, target, temperature, stats.lse, stats.ref_lse if with_ref else None, *basis,
                            *want, tile_elements, backend)
 
 

@@ -78,7 +78,7 @@ def _loss_scale_fake(grad, upstream, backend):
     return None
 
 
-def _scaled(grad, g_loss, backend):
+def scaled(grad, g_loss, backend):
     """``grad * g_loss``: in place in eager calls (the gradient was written in the forward; nothing is read
     or written when the upstream gradient is 1, decided by the kernel); out of place while traced."""
     if is_fake(grad):
@@ -93,7 +93,7 @@ def _backward(saved, grads):
     g_loss = grads["loss"]
     if g_loss is None:
         return {}
-    return {"logits": _scaled(saved.grad, g_loss, saved.backend).view(saved.logits.shape)}
+    return {"logits": scaled(saved.grad, g_loss, saved.backend).view(saved.logits.shape)}
 
 
 loss_forward = define_op(
@@ -153,7 +153,7 @@ def _linear_backward(saved, grads):
     g_loss = grads["loss"]
     if g_loss is None:
         return {}
-    return {name: _scaled(getattr(saved, "d_" + name), g_loss, saved.backend)
+    return {name: scaled(getattr(saved, "d_" + name), g_loss, saved.backend)
             for name in ("x", "weight", "bias") if saved.needs_grad[name]}
 
 

@@ -33,19 +33,20 @@ def _forward_fake(logits, ref_logits, target, temperature, wanted, backend):
 
 def _backward_kernel(
     logits: torch.Tensor,                # [..., V]
-    ref_logits: Optional[torch.Tensor],  # [..., V], read only for the p_logq term
+    ref_logits: Optional[torch.Tensor],  # [..., V], read only for the p_logq and q terms
     target: torch.Tensor,                # [N] int64
     temperature: torch.Tensor,           # float64 [] or [N]
     lse: torch.Tensor,                   # [N]
-    ref_lse: Optional[torch.Tensor],     # [N], with the p_logq term
+    ref_lse: Optional[torch.Tensor],     # [N], with the p_logq or q term
     c_label: torch.Tensor,               # [N] gradient basis (kltriton.kernels.statistics.Basis), / T
     c_p: torch.Tensor,
     c_p_logp: Optional[torch.Tensor],
     c_p_logq: Optional[torch.Tensor],
+    c_q: Optional[torch.Tensor],
     backend: str,
 ) -> torch.Tensor:
     return dispatch.implementation("stream", backend).backward(
-        logits, ref_logits, target, temperature, lse, ref_lse, Basis(c_label, c_p, c_p_logp, c_p_logq))
+        logits, ref_logits, target, temperature, lse, ref_lse, Basis(c_label, c_p, c_p_logp, c_p_logq, c_q))
 
 
 stream_backward = define_op(
@@ -56,9 +57,9 @@ stream_backward = define_op(
 def _backward(saved, grads):
     stats = statistics.StreamStats(*(getattr(saved, name) for name in statistics.NAMES))
     basis = statistics.gradient_basis(grads, stats, saved.temperature)
-    with_logq = basis.p_logq is not None
-    return {"logits": stream_backward(saved.logits, saved.ref_logits if with_logq else None, saved.target,
-                                      saved.temperature, stats.lse, stats.ref_lse if with_logq else None, *basis,
+    with_ref = basis.reads_ref()
+    return {"logits": stream_backward(saved.logits, saved.ref_logits if with_ref else None, saved.target,
+                                      saved.temperature, stats.lse, stats.ref_lse if with_ref else None, *basis,
                                       saved.backend)}
 
 

@@ -12,27 +12,7 @@ pytest.importorskip("trl")
 import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
-
-WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "big", "small", "red", "blue", "and", "then"]
-
-
-def _tiny_llama(path):
-    """A 2-layer Llama with random weights and a word-level tokenizer, saved to ``path`` (no downloads)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]"] + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
-                                        unk_token="[UNK]")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=0, bos_token_id=2, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
+from trl_support import tiny_llama  # noqa: E402
 
 def _reward_cats(completions, **kwargs):
     """Deterministic reward with spread inside every group: how often "cat" is said."""
@@ -62,7 +42,7 @@ def _train(model_dir, out_dir, **overrides):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    _tiny_llama(path)
+    tiny_llama(path)
     return path
 
 

@@ -66,7 +66,7 @@ class Shard:
 
 
 # The Triton interpreter runs one program after another: a few cases, one dtype.
-TRITON_CASES = ("logprobs_padded_shifted", "kl_full_logits", "fused_kl_reward_packed_full")
+TRITON_CASES = ("logprobs_padded_shifted", "kl_full_logits", "fused_kl_reward_packed_full", "divergence_jsd_logits")
 
 
 def _run_both(shard, make_full, call, full_logits):
@@ -199,6 +199,32 @@ def _policy_loss_case(loss_type, kl_estimator, aggregation):
     return case
 
 
+def _divergence_case(divergence, teacher_form, reduction="none"):
+    def case(shard, backend, dtype):
+        """token_divergence with a teacher logits shard or a TopK teacher (global ids): the divergence, the
+        student's entropy and the gradient of this rank's shard."""
+        gen = torch.Generator().manual_seed(10)
+        full_logits = _logits((3, 5, shard.vocab), dtype, gen)
+        teacher = (full_logits.float() + torch.randn(full_logits.shape, generator=gen)).to(dtype)
+        labels = torch.randint(0, shard.vocab, (3, 5), generator=gen)
+        labels[0, 1] = -100
+        ids = torch.topk(teacher.float(), 7, -1).indices
+        ids[1, 2, -2:] = -1
+        topk = kltriton.TopK(ids, torch.log_softmax(teacher.float(), -1).gather(-1, ids.clamp(min=0)))
+
+        def call(logits, ref, sharding):
+            out = kltriton.token_divergence(logits, topk if teacher_form == "topk" else ref, labels,
+                                            divergence=divergence, beta=0.3, temperature=0.9, reduction=reduction,
+                                            return_entropy=True, backend=backend, **sharding)
+            return out
+
+        expected, actual, full, part = _run_both(shard, lambda: teacher, call, full_logits)
+        for name, e, a in zip(("divergence", "entropy"), expected, actual):
+            shard.check(a, e, full_logits, 0.9, f"{divergence} {teacher_form} {name}", scale=1.0 + e.abs().max().item())
+        shard.check_grad(part, full, full_logits, 0.9, f"{divergence} {teacher_form} grad", mixed=True)
+    return case
+
+
 def _linear_case(op):
     def case(shard, backend, dtype):
         """``LinearLogits`` with this rank's weight / bias rows ``[V_local, H]`` and replicated hidden
@@ -214,6 +240,10 @@ def _linear_case(op):
         mask = torch.rand(3, 5, generator=gen) > 0.2
         advantages = torch.randn(3, generator=gen)
         old = torch.randn(3, 5, generator=gen) * 0.1 - 6.0
+        topk_ids = torch.stack([torch.randperm(shard.vocab, generator=gen)[:6] for _ in range(15)]).view(3, 5, 6)
+        topk_ids[0, 2, -1] = -1
+        topk_logp = torch.log_softmax(torch.randn(3, 5, shard.vocab, generator=gen), -1).gather(
+            -1, topk_ids.clamp(min=0))
 
         def call(h, w, b, sharding):
             rows = slice(shard.start, shard.stop) if sharding else slice(None)
@@ -225,6 +255,12 @@ def _linear_case(op):
             if op == "kl_full":
                 out = kltriton.token_kl(lin, ref, labels, estimator="full", mask=mask, backend=backend, **sharding)
                 return out.kl, out.logprobs, out.ref_logprobs
+            if op == "divergence_jsd":
+                return kltriton.token_divergence(lin, ref, labels, divergence="jsd", beta=0.3, mask=mask,
+                                                 temperature=0.9, backend=backend, **sharding)
+            if op == "divergence_topk":
+                return kltriton.token_divergence(lin, kltriton.TopK(topk_ids, topk_logp), labels, mask=mask,
+                                                 temperature=0.9, backend=backend, **sharding)
             out = kltriton.policy_loss(lin, labels, advantages, old_logprobs=old, ref=ref, kl_coef=0.05,
                                        entropy_coef=0.01, mask=mask, backend=backend, **sharding)
             return out.loss, out.logprobs, out.entropy, out.kl
@@ -264,7 +300,12 @@ CASES = {
     "fused_kl_reward_packed_full": case_fused_kl_reward_packed_full,
     "policy_loss_ppo_full": _policy_loss_case("ppo", "full", "token-mean"),
     "policy_loss_gspo_k3": _policy_loss_case("gspo", "k3", "seq-mean-token-mean"),
-    **{f"linear_{op}": _linear_case(op) for op in ("logprobs", "kl_full", "policy_loss")},
+    **{f"linear_{op}": _linear_case(op) for op in ("logprobs", "kl_full", "policy_loss", "divergence_jsd",
+                                                   "divergence_topk")},
+    **{f"divergence_{d}_{form}": _divergence_case(d, form)
+       for d, form in (("forward_kl", "logits"), ("reverse_kl", "logits"), ("jsd", "logits"), ("jsd", "topk"),
+                       ("reverse_kl", "topk"))},
+    "divergence_jsd_batchmean": _divergence_case("jsd", "logits", "batchmean"),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from kltriton._env import env_int
 
 from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
+from kltriton.kernels.divergence.composed import wanted as divergence_wanted
 from kltriton.kernels.loss import LossInputs, wanted as loss_wanted
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import NOT_HERE, StreamStats
@@ -121,12 +122,22 @@ def _temp(temperature, padded):
 
 
 def bind(stream):
-    """``(forward, backward)`` of the ``linear`` family on top of the ``stream`` module ``stream``."""
+    """``(forward, backward, column_forward, column_backward)`` of the ``linear`` family on top of the ``stream``
+    module ``stream``."""
 
     def forward(policy, ref, target, temperature, wanted, tile_elements) -> StreamStats:
+        return _forward(policy, ref, target, temperature, wanted, tile_elements)[0]
+
+    def column_forward(policy, target, temperature, wanted, ids, tile_elements):
+        """``(StreamStats, column_logits)``: ``forward`` of the policy alone, and its logits (scale and softcap
+        applied) at ``ids [N, K]`` (``-1`` padding: ``-inf``; 0 on unscored rows) gathered from the same tiles."""
+        return _forward(policy, None, target, temperature, wanted, tile_elements, ids)
+
+    def _forward(policy, ref, target, temperature, wanted, tile_elements, ids=None):
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
         out = statistics.empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=target.device))
+        columns = None if ids is None else torch.zeros(ids.shape, dtype=acc, device=target.device)
         tile_rows, vocab_tile = plan(vocab, tile_elements)
         buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=target.device)
         ref_buffer = torch.empty_like(buffer) if ref is not None else None
@@ -134,27 +145,35 @@ def bind(stream):
             tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
             pol = _TileSide(policy, padded, acc)
             rfs = _TileSide(ref, padded, acc) if ref is not None else None
-            stats = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer)
+            tile_ids = None if ids is None else ids[padded]
+            stats, tile_columns = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer,
+                                                       ref_buffer, tile_ids)
             for dst, src in zip(out, stats):
                 if dst.numel():
                     dst[idx] = src[:m]
-        bad = target == OUT_OF_RANGE
-        for name in ("logp", "entropy", "ref_logp", "full_kl"):
-            dst = getattr(out, name)
-            if dst.numel():
-                dst.masked_fill_(bad, float("nan"))
-        return out
+            if ids is not None:
+                columns[idx] = tile_columns[:m]
+        _nan_at_out_of_range(out, target)
+        if ids is not None:
+            columns.masked_fill_((target >= 0)[:, None] & (ids < 0), float("-inf"))
+        return out, columns
 
-    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer):
-        """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``.
-        A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE`` log-probs."""
+    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer, ids):
+        """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``, and the
+        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE``
+        log-probs."""
         parts, held = [], []
+        columns = None if ids is None else torch.zeros(ids.shape, dtype=buffer.dtype, device=buffer.device)
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
             local, inside = _local_target(tgt, v0, v1 - v0)
             ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
-            parts.append(stream.forward(pol.logits(v0, v1, buffer), ref_tile, local, temp, wanted))
+            tile = pol.logits(v0, v1, buffer)
+            parts.append(stream.forward(tile, ref_tile, local, temp, wanted))
             held.append(inside)
+            if ids is not None:
+                here, cols = _tile_columns(ids, v0, v1)
+                columns = torch.where(here, tile.gather(1, cols), columns)
         inside = torch.stack(held)
         pieces = {name: torch.stack([getattr(p, name) for p in parts]) for name in statistics.NAMES
                   if statistics.present(wanted, name)}
@@ -163,57 +182,53 @@ def bind(stream):
                 pieces[name] = torch.where(inside, pieces[name], NOT_HERE)
         if len(parts) == 1:
             return StreamStats(*(pieces[name][0] if name in pieces else getattr(parts[0], name)
-                                 for name in statistics.NAMES))
-        return statistics.merge(pieces, wanted)
+                                 for name in statistics.NAMES)), columns
+        return statistics.merge(pieces, wanted), columns
+
+    def column_backward(policy, target, temperature, lse, c_p, ids, c_columns, want_x, want_weight, want_bias,
+                        tile_elements):
+        """``(d_x, d_weight, d_bias)`` of the logits gradient ``c_columns`` at ``ids`` ``- p * c_p`` (``[N]``, ``[N, K]``,
+        already divided by ``T``; ids ``-1`` or outside this weight: none): the ``stream`` backward's ``p`` term on
+        each tile, its ``K`` columns set to ``c_k - p_k c_p`` from the tile (rounded once), then the GEMMs."""
+
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
+            tile_lse, tile_c_p = lse[padded], c_p[padded]
+            basis = statistics.Basis(torch.zeros_like(tile_c_p), tile_c_p)
+            grad = stream.backward(tile, None, local, temp, tile_lse, None, basis)
+            here, cols = _tile_columns(ids[padded], v0, v0 + tile.shape[1])
+            here &= (local >= 0)[:, None] & torch.isfinite(tile_lse)[:, None]
+            t = temp if temp.dim() == 0 else temp[:, None]
+            p = torch.exp(tile.gather(1, cols).double() / t - tile_lse.double()[:, None])
+            values = c_columns[padded].double() - p * tile_c_p.double()[:, None]
+            rows = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
+            grad[rows[here], cols[here]] = values[here].to(grad.dtype)
+            return grad
+
+        return gradient_tiles(policy, None, target, temperature, (target >= 0) & torch.isfinite(lse),
+                              plan(_vocab(policy), tile_elements), (want_x, want_weight, want_bias), tile_grad)
 
     def backward(policy, ref, target, temperature, lse, ref_lse, basis, want_x, want_weight, want_bias,
                  tile_elements):
-        vocab = _vocab(policy)
-        acc = accumulation_dtype(policy.x.dtype)
-        dense = policy.weight is None
-        d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=policy.x.device) if want_x else None
-        d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
-        want_weight = want_weight and not dense
-        want_bias = want_bias and not dense and policy.bias is not None
-        d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=lse.device) if want_weight else None
-        d_bias = torch.zeros(vocab, dtype=acc, device=lse.device) if want_bias else None
-        with_logq = basis.p_logq is not None
-        tile_rows, vocab_tile = plan(vocab, tile_elements)
-        buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=lse.device)
-        ref_buffer = torch.empty_like(buffer) if with_logq else None
-        ok = (target >= 0) & torch.isfinite(lse)
-        for idx, padded, m in _scored_tiles(target, ok, tile_rows):
-            tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
-            pol = _TileSide(policy, padded, acc)
-            rfs = _TileSide(ref, padded, acc) if with_logq else None
-            tile_basis = type(basis)(*(None if c is None else c[padded] for c in basis))
-            tile_lse = lse[padded]
-            tile_ref_lse = ref_lse[padded] if with_logq else None
-            d_tile = torch.zeros(tile_rows, d_x.shape[-1], dtype=acc, device=lse.device) if want_x else None
-            for v0 in range(0, vocab, vocab_tile):
-                v1 = min(v0 + vocab_tile, vocab)
-                tile = pol.logits(v0, v1, buffer)
-                ref_tile = rfs.logits(v0, v1, ref_buffer) if with_logq else None
-                local, inside = _local_target(tgt, v0, v1 - v0)
-                # The label term belongs to the tile (and shard) that holds the label.
-                here = tile_basis._replace(label=torch.where(inside, tile_basis.label, 0))
-                grad = stream.backward(tile, ref_tile, local, temp, tile_lse, tile_ref_lse, here)
-                _chain(policy, tile, grad)
-                if dense and want_x:
-                    d_tile[:, v0:v1] = grad
-                if not dense and want_x:
-                    _add_mm(d_tile, grad, pol.weight(v0, v1))
-                if want_weight:
-                    _add_mm(d_weight[v0:v1], grad.T, pol.x)
-                if want_bias:
-                    d_bias[v0:v1] += grad.sum(0)
-                del grad  # freed before the next tile's gradient is allocated: one gradient tile at a time
-            if want_x:
-                d_x_rows[idx] = d_tile[:m].to(d_x.dtype)
-        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
+        with_ref = basis.reads_ref()
 
-    return forward, backward
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
+            tile_basis = type(basis)(*(None if c is None else c[padded] for c in basis))
+            # The label term belongs to the tile (and shard) that holds the label.
+            here = tile_basis._replace(label=torch.where(inside, tile_basis.label, 0))
+            return stream.backward(tile, ref_tile, local, temp, lse[padded], ref_lse[padded] if with_ref else None,
+                                   here)
+
+        return gradient_tiles(policy, ref if with_ref else None, target, temperature, (target >= 0) & torch.isfinite(lse),
+                              plan(_vocab(policy), tile_elements), (want_x, want_weight, want_bias), tile_grad)
+
+    return forward, backward, column_forward, column_backward
+
+
+def _tile_columns(ids, v0, v1):
+    """``(here, cols)``: which of ``ids [R, K]`` lie in the vocab tile ``[v0, v1)`` and their columns in it (0
+    elsewhere)."""
+    here = (ids >= v0) & (ids < v1)
+    return here, torch.where(here, ids - v0, torch.zeros_like(ids))
 
 
 def whole_rows(vocab: int, tile_elements: int) -> int:
@@ -228,51 +243,221 @@ def bind_loss(loss):
 
     def loss_forward(policy, ref, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, want_x,
                      want_weight, want_bias, tile_elements):
-        n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
-        device = target.device
-        has_ref = ref is not None
-        stats = statistics.empty_stats(n, loss_wanted(has_ref, estimator),
-                                       lambda size: torch.zeros(size, dtype=acc, device=device))
-        d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None
-        d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
-        d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=device) if want_weight else None
-        want_bias = want_bias and policy.bias is not None
-        d_bias = torch.zeros(vocab, dtype=acc, device=device) if want_bias else None
+        stats = statistics.empty_stats(target.numel(), loss_wanted(ref is not None, estimator),
+                                       lambda size: torch.zeros(size, dtype=acc, device=target.device))
         with_grad = want_x or want_weight or want_bias
-        tile_rows = whole_rows(vocab, tile_elements)
-        buffer = torch.empty(tile_rows * vocab, dtype=acc, device=device)
-        ref_buffer = torch.empty_like(buffer) if has_ref else None
-        for idx, padded, m in _scored_tiles(target, target >= 0, tile_rows):
-            tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
-            pol = _TileSide(policy, padded, acc)
-            tile = pol.logits(0, vocab, buffer)
-            ref_tile = _TileSide(ref, padded, acc).logits(0, vocab, ref_buffer) if has_ref else None
+
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
-            part, grad = loss.forward(tile, ref_tile, tgt, temp, tile_in, hp, loss_type, estimator, entropy_grad,
+            part, grad = loss.forward(tile, ref_tile, local, temp, tile_in, hp, loss_type, estimator, entropy_grad,
                                       with_grad)
             for dst, src in zip(stats, part):
                 if dst.numel():
                     dst[idx] = src[:m]
-            if not with_grad:
-                continue
-            _chain(policy, tile, grad)
-            if want_x:
-                d_x_rows[idx] = _mm(grad, pol.weight(0, vocab), acc)[:m].to(d_x.dtype)
-            if want_weight:
-                _add_mm(d_weight, grad.T, pol.x)
-            if want_bias:
-                d_bias += grad.sum(0)
-            del grad  # freed before the next tile's gradient is allocated: one gradient tile at a time
-        bad = target == OUT_OF_RANGE
-        for name in ("logp", "entropy", "ref_logp", "full_kl"):
-            dst = getattr(stats, name)
-            if dst.numel():
-                dst.masked_fill_(bad, float("nan"))
-        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return stats, d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
+            return grad if with_grad else None
+
+        vocab = _vocab(policy)
+        grads = gradient_tiles(policy, ref, target, temperature, target >= 0,
+                               (whole_rows(vocab, tile_elements), vocab), (want_x, want_weight, want_bias), tile_grad)
+        _nan_at_out_of_range(stats, target)
+        return (stats, *grads)
 
     return loss_forward
+
+
+def bind_divergence(divergence):
+    """``(jsd_forward, jsd_backward, loss_forward)`` of the ``linear`` family on the ``divergence`` backend module
+    ``divergence`` (its JSD pass and gradient, and its ``loss_forward`` on its own ``stream`` kernels)."""
+
+    def jsd_forward(policy, ref, target, temperature, lse, ref_lse, beta, tile_elements):
+        """``(jsd, kl_student)`` ``[N]``: the JSD pass on each vocab tile with the whole rows' log-sum-exps, the
+        tiles' sums added in vocab order."""
+        n, vocab = target.numel(), _vocab(policy)
+        acc = accumulation_dtype(policy.x.dtype)
+        out = [torch.zeros(n, dtype=acc, device=target.device) for _ in range(2)]
+        tile_rows, vocab_tile = plan(vocab, tile_elements)
+        buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=target.device)
+        ref_buffer = torch.empty_like(buffer)
+        for idx, padded, m in _scored_tiles(target, target >= 0, tile_rows):
+            tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
+            pol, rfs = _TileSide(policy, padded, acc), _TileSide(ref, padded, acc)
+            for v0 in range(0, vocab, vocab_tile):
+                v1 = min(v0 + vocab_tile, vocab)
+                local, _ = _local_target(tgt, v0, v1 - v0)
+                parts = divergence.forward(pol.logits(v0, v1, buffer), rfs.logits(v0, v1, ref_buffer), local, temp,
+                                           lse[padded], ref_lse[padded], beta)
+                for dst, part in zip(out, parts):
+                    dst[idx] += part[:m]
+        for dst in out:
+            dst.masked_fill_(target == OUT_OF_RANGE, float("nan"))
+        return tuple(out)
+
+    def jsd_backward(policy, ref, target, temperature, lse, ref_lse, beta, kl_student, coef, want_x, want_weight,
+                     want_bias, tile_elements):
+        """``(d_x, d_weight, d_bias)`` of the JSD gradient with per-row ``coef`` (``kltriton.kernels.divergence``)."""
+
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
+            return divergence.backward(tile, ref_tile, local, temp, lse[padded], ref_lse[padded], beta,
+                                       kl_student[padded], coef[padded])
+
+        ok = (target >= 0) & torch.isfinite(lse) & torch.isfinite(ref_lse)
+        return gradient_tiles(policy, ref, target, temperature, ok, plan(_vocab(policy), tile_elements),
+                              (want_x, want_weight, want_bias), tile_grad)
+
+    def loss_forward(policy, ref, target, temperature, kind, beta, weight, entropy, want_x, want_weight, want_bias,
+                     tile_elements):
+        """``(StreamStats, divergence, d_x, d_weight, d_bias)``: ``divergence.loss_forward`` on tiles of whole rows
+        (the statistics, the divergence and the loss's logits gradient of a tile), then the gradient's GEMMs: three
+        GEMMs per tile and no second pass, as ``bind_loss``."""
+        n = target.numel()
+        acc = accumulation_dtype(policy.x.dtype)
+        new = lambda size: torch.zeros(size, dtype=acc, device=target.device)  # noqa: E731
+        stats = statistics.empty_stats(n, divergence_wanted(kind, entropy), new)
+        values = new(n)
+        with_grad = want_x or want_weight or want_bias
+
+        def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
+            part, value, grad = divergence.loss_forward(tile, ref_tile, local, temp, kind, beta, weight[padded],
+                                                        entropy, with_grad)
+            for dst, src in zip((*stats, values), (*part, value)):
+                if dst.numel():
+                    dst[idx] = src[:m]
+            return grad if with_grad else None
+
+        vocab = _vocab(policy)
+        grads = gradient_tiles(policy, ref, target, temperature, target >= 0, (whole_rows(vocab, tile_elements), vocab),
+                               (want_x, want_weight, want_bias), tile_grad)
+        _nan_at_out_of_range(stats, target)
+        values.masked_fill_(target == OUT_OF_RANGE, float("nan"))
+        return (stats, values, *grads)
+
+    return jsd_forward, jsd_backward, loss_forward
+
+
+def _column_chunks(side, ids, ok, tile_elements):
+    """``(rows, ids, weight_rows)`` per chunk of rows: the rows' ``[c, K]`` ids (padding ``-1`` read as 0) and, for
+    a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size depends on ``K`` and
+    ``H`` only (batch invariance). ``ok``: only the rows where it holds (one host sync, the count), or None: every
+    row (no data-dependent shape: the gradients, which torch.compile traces)."""
+    acc = accumulation_dtype(side.x.dtype)
+    k = ids.shape[-1]
+    width = 1 if side.weight is None else side.weight.shape[1]
+    step = max(1, tile_elements // max(k * width, 1))
+    chosen = torch.arange(ids.shape[0], device=ids.device) if ok is None else torch.nonzero(ok).squeeze(1)
+    for start in range(0, chosen.shape[0], step):
+        rows = chosen[start:start + step]
+        cols = ids[rows].clamp(min=0)
+        yield rows, cols, None if side.weight is None else _operand(side.weight.detach()[cols], acc)
+
+
+def _entries(x, rows, cols):
+    """The index of the entries ``[rows, cols]`` (``rows [c]`` flat row indices, ``cols [c, K]``) of ``x [..., V]``."""
+    lead = x.shape[:-1]
+    rows = rows[:, None].expand_as(cols)
+    index = []
+    for size in reversed(lead):
+        index.append(rows % size)
+        rows = rows // size
+    return (*reversed(index), cols)
+
+
+def _column_values(side, rows, cols, weight_rows):
+    """``[c, K]`` logits of ``side`` at the columns ``cols`` of the rows ``rows`` (scale and softcap applied)."""
+    acc = accumulation_dtype(side.x.dtype)
+    if side.weight is None:
+        return side.x.detach()[_entries(side.x, rows, cols)].to(acc)
+    z = (weight_rows * _operand(_take(side.x.detach(), rows), acc)[:, None, :]).sum(-1)
+    if side.bias is not None:
+        z = z + side.bias.detach()[cols].to(acc)
+    if side.scale is not None:
+        z = z * side.scale
+    if side.softcap is not None:
+        z = torch.tanh(z / side.softcap) * side.softcap
+    return z
+
+
+def column_logits(side, ids, ok, tile_elements):
+    """``[N, K]`` logits of ``side`` (a ``Side``: dense logits or a projection) at ``ids [N, K]`` for the rows where
+    ``ok`` (0 elsewhere; padding ids ``-1`` give ``-inf``), in the accumulation dtype: a ``K``-column gather, never a
+    logits tile (``O(N K H)`` work for a projection)."""
+    acc = accumulation_dtype(side.x.dtype)
+    out = torch.zeros(ids.shape, dtype=acc, device=ids.device)
+    for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
+        out[rows] = _column_values(side, rows, cols, weight_rows)
+    return out.masked_fill_(ok[:, None] & (ids < 0), float("-inf"))
+
+
+def set_columns(grad, ids, ok, values):
+    """``grad[n, ids[n, k]] = values[n, k]`` for the rows where ``ok`` and the ids ``>= 0`` (``grad [..., V]``, in
+    place): a dense logits gradient whose ``K`` columns were computed elsewhere, rounded to its dtype once."""
+    write = ok[:, None] & (ids >= 0)
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[write]
+    flat = grad.view(-1, grad.shape[-1])
+    flat[rows, ids[write]] = values[write].to(grad.dtype)
+
+
+def _nan_at_out_of_range(stats, target):
+    """NaN statistics (the log-sum-exps aside) at the rows scored on a label outside ``[0, V)``, in place."""
+    bad = target == OUT_OF_RANGE
+    for name in statistics.NAMES:
+        dst = getattr(stats, name)
+        if dst.numel() and not name.endswith("lse"):
+            dst.masked_fill_(bad, float("nan"))
+
+
+def gradient_tiles(policy, ref, target, temperature, ok, shape, want, tile_grad):
+    """``(d_x, d_weight, d_bias)`` of the policy side from the logits gradient of each working tile.
+
+    The rows where ``ok`` are projected in tiles of ``shape = (tile_rows, vocab_tile)`` (the reference's too, when
+    ``ref`` is a ``Side``); ``tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0)`` returns the
+    tile's fp32 logits gradient ``[tile_rows, width]`` (None: no gradient; it may record per-row outputs for the
+    rows ``idx``, the first ``m`` of the token tile ``padded``), with ``local`` / ``inside`` the tile's targets and
+    whether it holds the label (``_local_target``), ``v0`` its first vocab id. The gradient is chained through softcap and scale, then
+    ``d_x = grad @ weight``, ``d_weight = grad.T @ x``, ``d_bias = grad.sum(0)`` accumulated in fp32, one gradient
+    tile at a time. ``want``: ``(want_x, want_weight, want_bias)``; None where not wanted or absent (for a dense
+    policy, ``d_x`` is the logits gradient)."""
+    vocab = _vocab(policy)
+    acc = accumulation_dtype(policy.x.dtype)
+    device = target.device
+    dense = policy.weight is None
+    want_x, want_weight, want_bias = want
+    want_weight = want_weight and not dense
+    want_bias = want_bias and not dense and policy.bias is not None
+    d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None
+    d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
+    d_weight = torch.zeros(policy.weight.shape, dtype=acc, device=device) if want_weight else None
+    d_bias = torch.zeros(vocab, dtype=acc, device=device) if want_bias else None
+    tile_rows, vocab_tile = shape
+    buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=device)
+    ref_buffer = torch.empty_like(buffer) if ref is not None else None
+    for idx, padded, m in _scored_tiles(target, ok, tile_rows):
+        tgt, temp = _tile_target(target, padded, m), _temp(temperature, padded)
+        pol = _TileSide(policy, padded, acc)
+        rfs = _TileSide(ref, padded, acc) if ref is not None else None
+        d_tile = torch.zeros(tile_rows, d_x.shape[-1], dtype=acc, device=device) if want_x else None
+        for v0 in range(0, vocab, vocab_tile):
+            v1 = min(v0 + vocab_tile, vocab)
+            tile = pol.logits(v0, v1, buffer)
+            ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
+            local, inside = _local_target(tgt, v0, v1 - v0)
+            grad = tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0)
+            if grad is None:
+                continue
+            _chain(policy, tile, grad)
+            if dense and want_x:
+                d_tile[:, v0:v1] = grad
+            if not dense and want_x:
+                _add_mm(d_tile, grad, pol.weight(v0, v1))
+            if want_weight:
+                _add_mm(d_weight[v0:v1], grad.T, pol.x)
+            if want_bias:
+                d_bias[v0:v1] += grad.sum(0)
+            del grad  # freed before the next tile's gradient is allocated: one gradient tile at a time
+        if want_x:
+            d_x_rows[idx] = d_tile[:m].to(d_x.dtype)
+    cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+    return d_x, cast(d_weight, policy.weight), cast(d_bias, policy.bias)
 
 
 def _chain(side, tile, grad):

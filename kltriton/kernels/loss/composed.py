@@ -22,7 +22,7 @@ def forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_ty
     g_logp, g_full_kl = terms.coefficients(loss_type, est, stats.logp, ref_logp, inputs, hp)
     grads = {"logp": g_logp, "entropy": inputs.w_ent if entropy_grad else None, "full_kl": g_full_kl}
     basis = statistics.gradient_basis(grads, stats, temperature)
-    with_logq = basis.p_logq is not None
-    grad = stream.backward(logits, ref_logits if with_logq else None, target, temperature, stats.lse,
-                           stats.ref_lse if with_logq else None, basis)
+    with_ref = basis.reads_ref()
+    grad = stream.backward(logits, ref_logits if with_ref else None, target, temperature, stats.lse,
+                           stats.ref_lse if with_ref else None, basis)
     return stats, grad.view(-1, logits.shape[-1])

@@ -127,6 +127,7 @@ def _loss_forward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # [N] fp32 statistics, None if absent
+    forward_kl_ptr,             # None: the loss never asks for it
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     old_logp_ptr,               # [N] fp32, or None: on-policy
     adv_ptr, w_pg_ptr, w_kl_ptr, w_ent_ptr,  # [N] fp32 per-row inputs (kltriton.kernels.loss.LossInputs)
@@ -154,7 +155,7 @@ def _loss_forward_kernel(
         x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)
         values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
         tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
-        logp, lse, entropy, ref_logp, ref_lse, full_kl = values
+        logp, lse, entropy, ref_logp, ref_lse, full_kl, _ = values
         # A row without a finite lse (all -inf logits; a NaN or +inf logit) gets a zero gradient.
         if (lse > tr.NEG_INF) & (lse < float("inf")):
             rlp = ref_logp

@@ -15,7 +15,7 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
                  the caller); data, so a new value never recompiles. Every statistic of row ``n``
                  is of ``softmax(logits[n] / T[n])``.
-    wanted:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``).
+    wanted:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``, ``FORWARD_KL``).
     Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``, the statistics
     ``wanted`` does not ask for empty. ``logp`` and ``ref_logp`` are clamped to ``<= 0``. A row whose logits
     are all ``-inf`` has ``lse = -inf`` and NaN statistics (as torch); a NaN or ``+inf`` logit gives NaN
@@ -26,12 +26,12 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
 ``backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> grad``
     The gradient w.r.t. ``logits`` on the basis of ``constants.GRADIENT_BASIS``:
 
-        grad = c_label * onehot(target) - p * (c_p + c_p_logp * log p + c_p_logq * log q)
+        grad = c_label * onehot(target) - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q
 
     ``basis``: ``kltriton.kernels.statistics.Basis`` of fp32 ``[N]`` coefficients already divided by ``T``
-    (``statistics.gradient_basis`` turns the statistics' upstream gradients into them); ``p_logp`` / ``p_logq``
-    None when absent. ``ref_logits`` / ``ref_lse`` are given iff ``basis.p_logq`` is (the reference is read
-    only for that term). Returns a contiguous tensor shaped like ``logits`` in ``logits.dtype``, zero on
+    (``statistics.gradient_basis`` turns the statistics' upstream gradients into them); ``p_logp`` / ``p_logq`` /
+    ``q`` None when absent. ``ref_logits`` / ``ref_lse`` are given iff ``basis.reads_ref()`` (the reference is read
+    only for the ``log q`` and ``q`` terms). Returns a contiguous tensor shaped like ``logits`` in ``logits.dtype``, zero on
     rows with ``target < 0`` and on rows whose ``lse`` is not finite (``-inf``: all ``-inf`` logits; NaN or
     ``+inf``: a NaN or ``+inf`` logit, or ``|x| / T`` beyond fp32), the same rule on every backend: their
     statistics are already NaN, so the loss shows it, and the other rows train unharmed. An entry with

@@ -30,8 +30,8 @@ def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:
     cpp_library.load()
-    with_logq = basis.p_logq is not None
+    with_ref = basis.reads_ref()
     grad = torch.ops.kltriton_cpp.stream_backward(
-        _rows3d(logits), _rows3d(ref_logits) if with_logq else None, target, temperature, lse,
-        ref_lse if with_logq else None, *basis)
+        _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
+        ref_lse if with_ref else None, *basis)
     return grad.view(logits.shape)

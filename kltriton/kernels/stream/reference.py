@@ -53,6 +53,7 @@ def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
     device, acc = logits.device, accumulation_dtype(logits.dtype)
     out = empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=device))
     with_entropy, with_full_kl = bool(wanted & constants.ENTROPY), bool(wanted & constants.FULL_KL)
+    with_forward_kl = bool(wanted & constants.FORWARD_KL)
     rows3d = as_rows3d(logits)
     ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
     for start, stop in _chunks(n, vocab):
@@ -82,8 +83,11 @@ def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
             if with_full_kl:
                 kl = _p_times(p, logp_all - logq_all).sum(-1)
                 out.full_kl[rows] = kl.masked_fill(dead, float("nan"))
+            if with_forward_kl:
+                kl = _p_times(logq_all.exp(), logq_all - logp_all).sum(-1)
+                out.forward_kl[rows] = kl.masked_fill(dead, float("nan"))
     bad = target == OUT_OF_RANGE
-    for name in ("logp", "entropy", "ref_logp", "full_kl"):
+    for name in ("logp", "entropy", "ref_logp", "full_kl", "forward_kl"):
         value = getattr(out, name)
         if value.numel():
             value.masked_fill_(bad, float("nan"))
@@ -96,7 +100,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     grad = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
     grad2d = grad.view(n, vocab)
     rows3d = as_rows3d(logits)
-    ref3d = as_rows3d(ref_logits) if basis.p_logq is not None else None
+    ref3d = as_rows3d(ref_logits) if basis.reads_ref() else None
     for start, stop in _chunks(n, vocab):
         tgt = target[start:stop]
         keep = torch.nonzero((tgt >= 0) & torch.isfinite(lse[start:stop])).squeeze(1)
@@ -110,9 +114,14 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
         c = coef(basis.p).expand_as(logp_all)
         if basis.p_logp is not None:
             c = c + coef(basis.p_logp) * logp_all
+        logq_all = None
         if ref3d is not None:
-            c = c + coef(basis.p_logq) * (_take_rows(ref3d, rows, acc) / temp - ref_lse[rows].to(acc)[:, None])
+            logq_all = _take_rows(ref3d, rows, acc) / temp - ref_lse[rows].to(acc)[:, None]
+        if basis.p_logq is not None:
+            c = c + coef(basis.p_logq) * logq_all
         g = -_p_times(p, c)
+        if basis.q is not None:
+            g = g - coef(basis.q) * logq_all.exp()
         g.scatter_add_(1, tgt[keep][:, None], coef(basis.label))
         grad2d[rows] = g.to(grad.dtype)
     return grad

@@ -38,22 +38,28 @@ def launches(vocab: int, elem_bytes: int):
     """(kernel name, Launch, variant name, absent arguments) of every kernel ``forward`` / ``backward``
     launches for this vocab and logits element size (for ``benchmarks/static.py``)."""
     out = []
-    for ref, ent, full in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
-                           (True, False, True), (True, True, True)):
-        wanted = statistics.request(entropy=ent, ref=ref, full_kl=full)
-        name = "fwd" + ("+ref" if ref else "") + ("+ent" if ent else "") + ("+fullkl" if full else "")
+    for ref, ent, full, fwd in ((False, False, False, False), (False, True, False, False), (True, False, False, False),
+                                (True, True, False, False), (True, False, True, False), (True, True, True, False),
+                                (True, False, False, True), (True, True, False, True)):
+        wanted = statistics.request(entropy=ent, ref=ref, full_kl=full, forward_kl=fwd)
+        name = ("fwd" + ("+ref" if ref else "") + ("+ent" if ent else "") + ("+fullkl" if full else "")
+                + ("+forwardkl" if fwd else ""))
         absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(wanted, s)]
         absent += [] if ref else ["ref_ptr"]
         launch = _forward_launch(vocab, elem_bytes, wanted)
         out.append(("_stream_forward_kernel", launch, name, absent + ([] if launch.grid_split > 1 else ["partial_ptr"])))
         if launch.grid_split > 1:
             out.append(("_stream_combine_kernel", _combine_launch(launch.grid_split, wanted), name, absent))
-    for logp_term, logq_term in ((False, False), (True, False), (True, True)):
-        terms = (constants.P_LOGP if logp_term else 0) | (constants.P_LOGQ if logq_term else 0)
-        name = "bwd" + ("+plogp" if logp_term else "") + ("+plogq" if logq_term else "")
+    for logp_term, logq_term, q_term in ((False, False, False), (True, False, False), (True, True, False),
+                                         (False, False, True), (True, False, True)):
+        terms = ((constants.P_LOGP if logp_term else 0) | (constants.P_LOGQ if logq_term else 0)
+                 | (constants.Q if q_term else 0))
+        name = "bwd" + ("+plogp" if logp_term else "") + ("+plogq" if logq_term else "") + ("+q" if q_term else "")
         launch = _backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
-        absent = [] if logq_term else ["ref_ptr", "ref_lse_ptr", "c_p_logq_ptr"]
+        absent = [] if logq_term or q_term else ["ref_ptr", "ref_lse_ptr"]
+        absent += [] if logq_term else ["c_p_logq_ptr"]
+        absent += [] if q_term else ["c_q_ptr"]
         absent += [] if logp_term else ["c_p_logp_ptr"]
         out.append(("_stream_backward_kernel", launch, name, absent))
     return out
@@ -65,6 +71,7 @@ def _stream_forward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # [N] fp32 statistics, None if absent
+    forward_kl_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states (SPLIT > 1), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
@@ -84,7 +91,8 @@ def _stream_forward_kernel(
             x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
             state = tr.stream_chunk(x_row, y_row, 0, vocab, c2, WANT, SUBTILES, LANES, VEC)
             values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
-            tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+            tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
+                           forward_kl_ptr)
         else:
             part = tl.program_id(1)
             lo = part * CHUNK
@@ -92,7 +100,7 @@ def _stream_forward_kernel(
             tr.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * tr.STATE_SIZE, state)
     elif SPLIT == 1:
         tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr)
+                       full_kl_ptr, forward_kl_ptr)
 
 
 @triton.jit
@@ -101,6 +109,7 @@ def _stream_combine_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # as the forward
+    forward_kl_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states
     temperature_ptr, temperature_stride,
     WANT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
@@ -118,10 +127,11 @@ def _stream_combine_kernel(
         parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * tr.STATE_SIZE
         state = tr.merge(tr.load_states(parts, part < SPLIT), c2, WANT)  # padding parts: empty states
         values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
-        tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+        tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
+                       forward_kl_ptr)
     else:
         tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr)
+                       full_kl_ptr, forward_kl_ptr)
 
 
 @triton.jit
@@ -130,8 +140,8 @@ def _stream_backward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     target_ptr,                 # [N] int64
-    lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq term, else None)
-    c_label_ptr, c_p_ptr, c_p_logp_ptr, c_p_logq_ptr,  # [N] fp32 gradient basis (/ T), None if absent
+    lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
+    c_label_ptr, c_p_ptr, c_p_logp_ptr, c_p_logq_ptr, c_q_ptr,  # [N] fp32 gradient basis (/ T), None if absent
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -156,12 +166,16 @@ def _stream_backward_kernel(
         y = x
         ref_lse = 0.0
         c_p_logq = 0.0
+        c_q = 0.0
         if tr.BASIS_P_LOGQ & TERMS:
-            ref_lse = tl.load(ref_lse_ptr + row)
             c_p_logq = tl.load(c_p_logq_ptr + row)
+        if tr.BASIS_Q & TERMS:
+            c_q = tl.load(c_q_ptr + row)
+        if (tr.BASIS_P_LOGQ | tr.BASIS_Q) & TERMS:
+            ref_lse = tl.load(ref_lse_ptr + row)
             y_row = ref_ptr + tr.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-        basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, c_p_logq)
+        basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, c_p_logq, c_q)
         grad = tr.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
@@ -194,13 +208,13 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
-    terms = (constants.P_LOGP if basis.p_logp is not None else 0) | (constants.P_LOGQ if basis.p_logq is not None
-                                                                      else 0)
-    with_logq = basis.p_logq is not None
+    terms = ((constants.P_LOGP if basis.p_logp is not None else 0) | (constants.P_LOGQ if basis.p_logq is not None
+                                                                       else 0) | (constants.Q if basis.q is not None else 0))
+    with_ref = basis.reads_ref()
     launch = _backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
-        *tr.view_args(logits), *tr.view_args(ref_logits if with_logq else None), grad, target,
-        lse, ref_lse if with_logq else None, *basis, vocab, temperature, 1 if temperature.dim() else 0,
+        *tr.view_args(logits), *tr.view_args(ref_logits if with_ref else None), grad, target,
+        lse, ref_lse if with_ref else None, *basis, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad

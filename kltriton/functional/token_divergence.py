@@ -1,0 +1,237 @@
+"""``token_divergence``: per-token distillation divergences between a student and a teacher, from logits, hidden
+states (``LinearLogits``) or a sparse top-k teacher (``TopK``), never building ``[N, V]`` besides the student's
+logits gradient.
+
+Dense teacher: forward KL ``KL(t || s)`` and reverse KL ``KL(s || t)`` are statistics of one streaming pass per row
+(``stream`` family); the generalized JSD is a second pass after both log-sum-exps (``divergence`` family). ``TopK``
+teacher: the student's streaming log-sum-exp plus a ``K``-column gather, then the divergence over ``K`` (+1) bins in
+PyTorch (``[N, K]`` work). ``kltriton.route`` picks the route (``divergence_route``).
+"""
+from typing import Optional
+
+import torch
+
+from kltriton import route
+from kltriton._inputs import (LOGIT_DTYPES, build_layout, check_float, check_logits, check_temperature, host_checks,
+                              runtime_scalar)
+from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
+from kltriton.linear_logits import is_linear
+from kltriton.topk import TopK, is_topk
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+TAILS = ("bucket", "renormalize", "none")
+REDUCTIONS = ("none", "batchmean", "sum", "mean")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_teacher(student, teacher):
+    """A teacher of ``student``'s shape: logits (any logits dtype; float64 only with a float64 student), a
+    ``LinearLogits``, or a ``TopK`` with ids ``[*S, K]``."""
+    if is_topk(teacher):
+        if tuple(teacher.shape[:-1]) != tuple(student.shape[:-1]):
+            raise ValueError(f"teacher TopK ids must have shape {tuple(student.shape[:-1])} + (K,), got "
+                             f"{tuple(teacher.shape)}")
+    elif is_linear(teacher):
+        if teacher.shape != student.shape:
+            raise ValueError(f"teacher must have the student's shape {tuple(student.shape)}, got {tuple(teacher.shape)}")
+    elif isinstance(teacher, torch.Tensor):
+        check_logits(teacher, "teacher")
+        if teacher.shape != student.shape:
+            raise ValueError(f"teacher logits must have the student's shape {tuple(student.shape)}, got "
+                             f"{tuple(teacher.shape)}")
+        if (teacher.dtype == torch.float64) != (student.dtype == torch.float64) or teacher.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"teacher logits must be float32, bfloat16 or float16 (float64 only with a float64 "
+                            f"student), got {teacher.dtype} with a {student.dtype} student")
+    else:
+        raise TypeError(f"teacher must be logits (a tensor), a kltriton.LinearLogits or a kltriton.TopK, got "
+                        f"{type(teacher).__name__}")
+    if teacher.device != student.device:
+        raise ValueError(f"teacher is on {teacher.device} but student is on {student.device}")
+
+
+def _weights(reduction, scored, vocab, dtype):
+    """``[N]`` weights with ``loss = sum_n w_n D_n`` (TRL GKD's reductions over the scored positions): ``"sum"`` 1,
+    ``"batchmean"`` 1 / count, ``"mean"`` 1 / (count * V) (TRL's ``mean`` is over the ``[count, V]`` elements)."""
+    valid = scored.to(dtype)
+    if reduction == "sum":
+        return valid
+    count = valid.sum().clamp(min=1)
+    return valid / count if reduction == "batchmean" else valid / (count * vocab)
+
+
+# --- a top-k teacher: [N, K] work -------------------------------------------------------------------------------
+
+def _kl(log_a, log_b):
+    """``KL(a || b)`` over the last dim of log-probabilities (sub-distributions allowed): ``sum_{a > 0} a (log a -
+    log b)``, ``+inf`` where ``b`` has no mass under ``a``'s; finite gradients wherever the value is finite."""
+    live = log_a > float("-inf")
+    zero = torch.zeros((), dtype=log_a.dtype, device=log_a.device)
+    la, lb = torch.where(live, log_a, zero), torch.where(live, log_b, zero)
+    return torch.where(live, la.exp() * (la - lb), zero).sum(-1)
+
+
+def _jsd(log_a, log_b, beta):
+    """``beta KL(b || m) + (1 - beta) KL(a || m)``, ``m = beta b + (1 - beta) a``, of log-probabilities over the last
+    dim (``a`` the student, ``b`` the teacher)."""
+    either = (log_a > float("-inf")) | (log_b > float("-inf"))
+    zero = torch.zeros((), dtype=log_a.dtype, device=log_a.device)
+    log_m = torch.logaddexp(torch.where(either, log_a, zero) + torch.log1p(-beta),
+                            torch.where(either, log_b, zero) + torch.log(beta))
+    log_m = torch.where(either, log_m, torch.full_like(log_m, float("-inf")))
+    return beta * _kl(log_b, log_m) + (1 - beta) * _kl(log_a, log_m)
+
+
+def _log_tail(log_p, covered):
+    """``log(1 - sum exp(log_p))`` over the last dim (float64), ``-inf`` where that mass is 0 (clamped) or the ids
+    cover the whole vocabulary; finite gradients."""
+    rest = -torch.expm1(torch.logsumexp(log_p, -1))
+    has_mass = (rest > 0) & ~covered
+    safe = torch.where(has_mass, rest, torch.ones_like(rest))
+    return torch.where(has_mass, safe.log(), torch.full_like(rest, float("-inf")))
+
+
+def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, min_logprob=None):
+    """``[N]`` divergence of ``kind`` over a top-k teacher's bins from the student's and teacher's log-probs at the
+    ``K`` ids (``[N, K]``; ``valid``: not padding); ``beta`` a 0-dim float64 tensor (data).
+
+    ``tail``: ``"bucket"`` adds one bin holding each side's remaining mass (``1 - sum``; empty when the ids cover the
+    whole vocabulary), ``"renormalize"`` restricts both to the ids and renormalizes, ``"none"`` sums the ``K`` terms
+    alone (verl's ``forward_kl_topk``: not a divergence of distributions, it may be negative). Computed in float64.
+    """
+    ninf = torch.full((), float("-inf"), dtype=torch.float64, device=valid.device)
+    ls, lt = student_logp.double(), teacher_logp.double()
+    if min_logprob is not None:
+        ls, lt = ls.clamp(min=min_logprob), lt.clamp(min=min_logprob)
+    ls, lt = torch.where(valid, ls, ninf), torch.where(valid, lt, ninf)
+    if tail == "renormalize":
+        ls = ls - torch.logsumexp(ls, -1, keepdim=True)
+        lt = lt - torch.logsumexp(lt, -1, keepdim=True)
+        empty = ~valid.any(-1, keepdim=True)  # no ids: two empty distributions, no divergence
+        ls, lt = torch.where(empty, ninf, ls), torch.where(empty, ninf, lt)
+    elif tail == "bucket":
+        covered = valid.sum(-1) >= vocab
+        ls = torch.cat([ls, _log_tail(ls, covered)[:, None]], -1)
+        lt = torch.cat([lt, _log_tail(lt, covered)[:, None]], -1)
+    if kind == "forward_kl":
+        return _kl(lt, ls)
+    if kind == "reverse_kl":
+        return _kl(ls, lt)
+    return _jsd(ls, lt, beta)
+
+
+def _topk_ids(teacher: TopK, vocab):
+    """``[N, K]`` int64 ids; with the host checks on, every id in ``[-1, V)``."""
+    ids = teacher.ids.reshape(-1, teacher.ids.shape[-1]).long()
+    if host_checks() and ids.numel() and bool(((ids < -1) | (ids >= vocab)).any()):
+        bad = ids[(ids < -1) | (ids >= vocab)][0].item()
+        raise ValueError(f"teacher TopK ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
+    return ids
+
+
+# --- public function ----------------------------------------------------------------------------------------------
+
+def token_divergence(
+    student,
+    teacher,
+    labels: torch.Tensor,
+    *,
+    divergence: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature=1.0,
+    tail: str = "bucket",
+    reduction: str = "none",
+    ignore_index: int = -100,
+    mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    shift_labels: bool = False,
+    return_entropy: bool = False,
+    backend: Optional[str] = None,
+    process_group=None,
+    vocab_start: Optional[int] = None,
+):
+    """Per-token divergence between the student's and the teacher's next-token distributions (distillation).
+
+    Args:
+        student: logits ``[..., V]`` (fp32 / bf16 / fp16, leading dims may be strided) or a ``kltriton.LinearLogits``
+            (hidden states and an LM head, never projected to ``[N, V]``). The gradient reaches it (logits, or
+            hidden / weight / bias).
+        teacher: logits of the same shape (any logits dtype), a ``LinearLogits``, or a ``kltriton.TopK(ids,
+            logprobs)`` (``[*S, K]``, a sparse teacher). No gradient reaches it.
+        labels, mask, ignore_index, cu_seqlens, shift_labels: as in ``token_logprobs``; they only say which
+            positions are scored (the label itself is not used).
+        divergence: ``"forward_kl"`` = ``KL(t || s)``, ``"reverse_kl"`` = ``KL(s || t)`` (the exact KL of
+            ``token_kl(estimator="full")``), ``"jsd"`` = ``beta KL(t || m) + (1 - beta) KL(s || m)`` with
+            ``m = beta t + (1 - beta) s`` (TRL's ``GKDTrainer.generalized_jsd_loss`` per token; ``beta`` 0 and 1 give
+            the forward and reverse KL exactly). With a dense teacher the JSD reads each row twice: its mixture needs
+            both log-sum-exps first (the statistics pass, then the JSD pass).
+        beta: the JSD's weight in ``[0, 1]``: data, a new value never recompiles.
+        temperature: divides the student's and the teacher's logits (TRL's GKD convention); a float, a 0-dim tensor
+            or one per position. For a ``TopK`` teacher it applies to the student only.
+        tail: for a ``TopK`` teacher (ignored otherwise): ``"bucket"`` (the ``K`` ids plus one bin holding each
+            side's remaining mass, ``1 - sum t_k`` and ``1 - sum s_k``, ``s`` the student's full softmax),
+            ``"renormalize"`` (both sides restricted to the ``K`` ids and renormalized), or ``"none"`` (the ``K`` ids'
+            terms alone, verl 0.9.1's ``forward_kl_topk``; may be negative).
+        reduction: ``"none"`` (per position, shape ``S``), or a 0-dim loss with TRL GKD's meaning: ``"batchmean"``
+            (sum over the scored positions / their count), ``"sum"``, ``"mean"`` (sum / (count * V), TRL's mean over
+            the ``[count, V]`` elements). With a dense teacher and no vocab sharding the student's gradient is
+            written in the forward (the backward only scales it; for ``LinearLogits`` the logits tiles are not
+            projected again). A batch with no scored position gives 0 (TRL's ``"mean"`` gives NaN).
+        return_entropy: also return the student's entropy ``S`` (fp32, of ``softmax(student / T)``, no gradient: a
+            metric) from the same pass.
+        backend: as in ``token_logprobs``.
+        process_group, vocab_start: vocab-parallel student and teacher (logits shards or ``LinearLogits`` weight
+            shards; ``TopK`` ids are global), as in ``token_kl``: ``O(N)`` values exchanged per rank and pass (the JSD
+            pass one more all-reduce of two per row, a ``TopK`` teacher ``K`` per row).
+
+    Returns:
+        fp32 ``S`` (0 where not scored, NaN where the label is out of range with validation off) for
+        ``reduction="none"``, else a 0-dim loss; with ``return_entropy``, ``(divergence, entropy)``. A teacher with
+        zero mass where the student has mass gives ``+inf`` reverse KL (never NaN); ``-inf`` and ``finfo.min`` logits
+        are normal input.
+    """
+    if not is_linear(student):
+        check_logits(student, "student")
+    _check_choice("divergence", divergence, DIVERGENCES)
+    _check_choice("tail", tail, TAILS)
+    _check_choice("reduction", reduction, REDUCTIONS)
+    beta = check_float("beta", beta, at_least=0.0)
+    if not torch.compiler.is_compiling() and beta > 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    _check_teacher(student, teacher)
+    kind = divergence
+    if divergence == "jsd" and beta in (0.0, 1.0):  # TRL's beta = 0 / 1: exactly the forward / reverse KL
+        kind = "forward_kl" if beta == 0.0 else "reverse_kl"
+    device, shape, vocab = student.device, student.shape[:-1], student.shape[-1]
+    temperature = check_temperature(temperature, device, shape)
+    shard = route.shard(student, process_group, vocab_start)
+    layout = build_layout(student, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                          shift_labels=shift_labels, shard=shard)
+    target = layout.target
+    global_vocab = vocab if shard is None else shard.vocab
+    scored = target != SKIP
+    acc = accumulation_dtype(student.dtype)
+    weight = None if reduction == "none" else _weights(reduction, scored, global_vocab, acc)
+    beta_t = runtime_scalar(beta, device)
+
+    if is_topk(teacher):
+        ids = _topk_ids(teacher, global_vocab)
+        student_logp, entropy = route.columns(student, ids, target, temperature, return_entropy,
+                                              route.backend(backend, student), shard)
+        value = topk_divergence(student_logp, teacher.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
+                                tail, global_vocab, teacher.min_logprob).to(acc)
+        value = torch.where(scored, value, torch.zeros_like(value))
+        value = torch.where(target == OUT_OF_RANGE, torch.full_like(value, float("nan")), value)
+        loss = None if weight is None else (weight * value).sum()
+    elif route.divergence_route(student, teacher, reduction, False, shard) == "fused":
+        loss, value, entropy = route.divergence_loss(student, teacher, target, temperature, kind, beta_t, weight,
+                                                     return_entropy, backend)
+    else:
+        value, entropy = route.divergence(student, teacher, target, temperature, kind, beta_t, return_entropy,
+                                          route.backend(backend, student, teacher), shard)
+        loss = None if weight is None else (weight * value).sum()
+    out = value.view(shape) if loss is None else loss
+    return (out, entropy.detach().view(shape)) if return_entropy else out

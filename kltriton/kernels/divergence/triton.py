@@ -1,0 +1,153 @@
+"""Triton backend of the ``divergence`` family (contract: ``kltriton.kernels.divergence``).
+
+The JSD pass: one program per row sums the row's mixture terms in vocab blocks (a per-lane accumulator reduced
+once at the end, so a row's order depends on ``V`` only) from the whole rows' log-sum-exps. The gradient: a
+(row, vocab block) grid as the ``stream`` backward. Both read the student and the teacher row once.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kltriton.kernels import accumulation_dtype
+from kltriton.kernels import triton_rows as tr
+from kltriton.kernels.divergence import composed
+from kltriton.kernels.rows import num_rows
+from kltriton.kernels.stream import triton as stream
+
+FORWARD_BLOCK = 2048  # vocab entries per loop iteration of the JSD pass
+
+
+def _forward_block(vocab: int) -> int:
+    return min(FORWARD_BLOCK, triton.next_power_of_2(max(vocab, 16)))
+
+
+def launches(vocab: int, elem_bytes: int):
+    """(kernel name, Launch, variant name, absent arguments) of every kernel of this module (``benchmarks/static.py``)."""
+    block = _forward_block(vocab)
+    backward = tr.backward_block(vocab)
+    return [("_jsd_forward_kernel", tr.Launch(dict(BLOCK_V=block), tr.options(), block), "jsd", []),
+            ("_jsd_backward_kernel", tr.Launch(dict(BLOCK_V=backward), tr.options(), backward,
+                                               triton.cdiv(vocab, backward)), "jsd_bwd", [])]
+
+
+@triton.jit
+def _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature):
+    """``(log p, p, log q, q)`` fp32 at ``offs`` (``-inf`` / 0 outside the vocabulary)."""
+    x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+    y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+    log_p = x * inv_temperature - lse
+    log_q = y * inv_temperature - ref_lse
+    return log_p, tl.exp(log_p), log_q, tl.exp(log_q)
+
+
+@triton.jit
+def _row_params(row, target_ptr, lse_ptr, ref_lse_ptr):
+    """``(target, lse, ref_lse, live)``: ``live`` when the row is scored and both log-sum-exps are finite."""
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    ref_lse = tl.load(ref_lse_ptr + row)
+    finite = (lse > tr.NEG_INF) & (lse < float("inf")) & (ref_lse > tr.NEG_INF) & (ref_lse < float("inf"))
+    return target, lse, ref_lse, (target >= 0) & finite
+
+
+@triton.jit
+def _jsd_forward_kernel(
+    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same
+    target_ptr,                 # [N] int64
+    lse_ptr, ref_lse_ptr,       # [N] fp32 whole rows' log-sum-exps of x / T and y / T
+    beta_ptr,                   # float64 []: data, no recompile
+    jsd_ptr, kl_student_ptr,    # [N] fp32 outputs
+    vocab,
+    temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1)
+    BLOCK_V: tl.constexpr,
+):
+    """Grid ``(N,)``: ``JSD = beta KL(q || m) + (1 - beta) KL(p || m)`` and ``KL(p || m)`` of one row."""
+    row = tl.program_id(0)
+    target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
+    if live:
+        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                                       ref_inner_stride)
+        beta64 = tl.load(beta_ptr)
+        beta = beta64.to(tl.float32)
+        one_minus_beta = (1.0 - beta64).to(tl.float32)
+        kl_p = tl.zeros((BLOCK_V,), tl.float32)
+        kl_q = tl.zeros((BLOCK_V,), tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            log_p, p, log_q, q = _log_probs(x_row, y_row, offs, offs < vocab, lse, ref_lse, inv_temperature)
+            log_m = tl.log(beta * q + one_minus_beta * p)  # -inf where both are 0: both terms 0 there
+            kl_p += tl.where(p > 0, p * (log_p - log_m), 0.0)
+            kl_q += tl.where(q > 0, q * (log_q - log_m), 0.0)
+        kl_student = tl.sum(kl_p, axis=0)
+        tl.store(jsd_ptr + row, beta * tl.sum(kl_q, axis=0) + one_minus_beta * kl_student)
+        tl.store(kl_student_ptr + row, kl_student)
+    else:
+        skipped = tl.where(target == tr.SKIP, 0.0, float("nan"))
+        tl.store(jsd_ptr + row, skipped)
+        tl.store(kl_student_ptr + row, skipped)
+
+
+@triton.jit
+def _jsd_backward_kernel(
+    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
+    ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same
+    grad_ptr,                   # [N, V] contiguous output, logits dtype
+    target_ptr,                 # [N] int64
+    lse_ptr, ref_lse_ptr,       # [N] fp32
+    beta_ptr,                   # float64 []
+    kl_student_ptr, coef_ptr,   # [N] fp32: KL(p || m) of the whole row, g (1 - beta) / T
+    vocab,
+    temperature_ptr, temperature_stride,
+    BLOCK_V: tl.constexpr,
+):
+    """Grid ``(N, cdiv(V, BLOCK_V))``: ``coef * p * (log p - log m - KL(p || m))`` on one vocab block."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_vocab = offs < vocab
+    grad_row = grad_ptr + row.to(tl.int64) * vocab
+    target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
+    if live:
+        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                                       ref_inner_stride)
+        beta64 = tl.load(beta_ptr)
+        log_p, p, log_q, q = _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature)
+        log_m = tl.log(beta64.to(tl.float32) * q + (1.0 - beta64).to(tl.float32) * p)
+        centred = log_p - log_m - tl.load(kl_student_ptr + row)
+        grad = tl.load(coef_ptr + row) * tl.where(p > 0, p * centred, 0.0)
+        tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+    else:
+        tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def forward(logits, ref_logits, target, temperature, lse, ref_lse, beta):
+    n, vocab = num_rows(logits), logits.shape[-1]
+    acc = accumulation_dtype(logits.dtype)
+    jsd = torch.empty(n, dtype=acc, device=logits.device)
+    kl_student = torch.empty(n, dtype=acc, device=logits.device)
+    if n:
+        _jsd_forward_kernel[(n,)](
+            *tr.view_args(logits), *tr.view_args(ref_logits), target, lse.float().contiguous(),
+            ref_lse.float().contiguous(), beta.to(torch.float64), jsd, kl_student, vocab, temperature,
+            1 if temperature.dim() else 0, BLOCK_V=_forward_block(vocab), **tr.options())
+    return jsd, kl_student
+
+
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_student, coef):
+    n, vocab = num_rows(logits), logits.shape[-1]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if n:
+        block = tr.backward_block(vocab)
+        _jsd_backward_kernel[(n, triton.cdiv(vocab, block))](
+            *tr.view_args(logits), *tr.view_args(ref_logits), grad, target, lse.float().contiguous(),
+            ref_lse.float().contiguous(), beta.to(torch.float64), kl_student.float().contiguous(),
+            coef.float().contiguous(), vocab, temperature, 1 if temperature.dim() else 0, BLOCK_V=block,
+            **tr.options())
+    return grad
+
+
+loss_forward = composed.bind(stream, forward, backward)
