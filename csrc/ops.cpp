@@ -40,6 +40,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
       "truncated_backward(Tensor logits3d, Tensor target, Tensor temperature, Tensor floor, Tensor lse, "
       "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
+  m.def(
       "jsd_forward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
       "Tensor beta) -> Tensor[]");
   m.def(
