@@ -297,12 +297,17 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
                                      const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
                                      const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters,
                                      const std::string& loss_type, const std::string& estimator,
-                                     bool straight_through, bool entropy_grad, bool with_grad);
+                                     bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy);
 
 at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
                              const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
-                             const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& hyperparameters,
-                             const std::string& loss_type, const std::string& estimator, bool straight_through);
+                             const at::Tensor& w_pg, const at::Tensor& w_kl, const std::optional<at::Tensor>& full_kl,
+                             const at::Tensor& hyperparameters, const std::string& loss_type,
+                             const std::string& estimator, bool straight_through);
+
+void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Tensor& target,
+                      const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& c_label,
+                      const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 

@@ -50,8 +50,10 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   }
 }
 
-template <typename T, typename R, int MODE>
+// ADD: g += the row's gradient instead of g = (the entropy mask's last pass, loss_forward.cpp).
+template <typename T, typename R, int MODE, bool ADD = false>
 inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
+  const float g_label = ADD ? static_cast<float>(g[label]) : 0.f;
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq);
   const Vec zero(0.f), nA(-k.p), lowest(kLowest);
   auto grad_vec = [&](const Vec& xraw, const Vec& yraw) -> Vec {
@@ -78,14 +80,21 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
     Vec x0, x1, y0 = zero, y1 = zero;
     load_f2(x + v, x0, x1);
     if constexpr (MODE & kPLogq) load_f2(y + v, y0, y1);
-    store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
+    if constexpr (ADD) {
+      Vec g0, g1;
+      load_f2(g + v, g0, g1);
+      store_f2(g + v, g0 + grad_vec(x0, y0), g1 + grad_vec(x1, y1));
+    } else {
+      store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
+    }
   }
   for (; v < V; ++v) {
     const float yv = (MODE & kPLogq) ? static_cast<float>(y[v]) : 0.f;
-    g[v] = static_cast<T>(grad_scalar<MODE>(static_cast<float>(x[v]), yv, k));
+    const float before = ADD ? static_cast<float>(g[v]) : 0.f;
+    g[v] = static_cast<T>(before + grad_scalar<MODE>(static_cast<float>(x[v]), yv, k));
   }
   const float yl = (MODE & kPLogq) ? static_cast<float>(y[label]) : 0.f;
-  g[label] = static_cast<T>(k.label + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
+  g[label] = static_cast<T>(g_label + k.label + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
 }
 
 // A zero gradient row (a skipped row, or one without a finite lse).

@@ -227,12 +227,12 @@ def bind_loss(loss):
     """``loss_forward`` of the ``linear`` family on top of the ``loss`` module ``loss``."""
 
     def loss_forward(policy, ref, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, want_x,
-                     want_weight, want_bias, tile_elements):
+                     want_weight, want_bias, tile_elements, with_entropy=True):
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
         device = target.device
         has_ref = ref is not None
-        stats = statistics.empty_stats(n, loss_wanted(has_ref, estimator),
+        stats = statistics.empty_stats(n, loss_wanted(has_ref, estimator, with_entropy),
                                        lambda size: torch.zeros(size, dtype=acc, device=device))
         d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None
         d_x_rows = d_x.view(-1, d_x.shape[-1]) if want_x else None
@@ -250,7 +250,7 @@ def bind_loss(loss):
             ref_tile = _TileSide(ref, padded, acc).logits(0, vocab, ref_buffer) if has_ref else None
             tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
             part, grad = loss.forward(tile, ref_tile, tgt, temp, tile_in, hp, loss_type, estimator, entropy_grad,
-                                      with_grad)
+                                      with_grad, with_entropy)
             for dst, src in zip(stats, part):
                 if dst.numel():
                     dst[idx] = src[:m]
