@@ -377,6 +377,8 @@ def policy_loss(
     ref_logp_given = None if ref is None or with_ref_logits else _check_per_token("ref", ref, shape, device).to(acc)
 
     scored = target != SKIP
+    if num_seqs_agg is None and spec.all_sequences:  # TRL's .mean() over the sequences, empty ones included
+        num_seqs_agg = runtime_scalar(max(num_seqs, 1), device)
     if ref_logp_given is not None:  # like every per-token output: 0 where not scored
         ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
@@ -412,10 +414,13 @@ def policy_loss(
     minus_entropy_coef = runtime_scalar(-entropy_coef, device).to(acc)
 
     def entropy_aggregation_weights(keep):
-        """The entropy bonus's ``[N]`` aggregation weights: the policy term's (verl) or ``entropy_aggregation``
-        over the local tokens (TRL), on the kept rows with the entropy mask."""
+        """The entropy bonus's ``[N]`` aggregation weights, over the kept rows with the entropy mask (TRL): the
+        policy term's aggregation and denominators (verl), or ``entropy_aggregation`` over the local tokens."""
         if entropy_aggregation is None:
-            return agg_w if keep is None else agg_w * keep.to(acc)
+            if keep is None:
+                return agg_w
+            return _aggregation_weights(aggregation, keep, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                        num_seqs_agg)
         rows = scored if keep is None else keep
         return _aggregation_weights(entropy_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc)
 

@@ -73,17 +73,18 @@ class LossType(NamedTuple):
     aggregation: str                # its default aggregation (verl agg_loss mode)
     parameters: Tuple[str, ...]     # its own keyword arguments (PARAMETERS)
     sequence_level: bool = False    # accepts importance_sampling_level="sequence" (TRL)
+    all_sequences: bool = False     # its seq-mean divides by every sequence (TRL's .mean()), not the non-empty ones
 
 
 _PPO = ("delta",)
 LOSS_TYPES = {
     "ppo": LossType("ppo", "kltriton: verl vanilla with TRL's delta", "token-mean", _PPO, True),
     "vanilla": LossType("ppo", "verl", "token-mean", _PPO, True),
-    "grpo": LossType("ppo", "TRL", "seq-mean-token-mean", _PPO, True),
+    "grpo": LossType("ppo", "TRL", "seq-mean-token-mean", _PPO, True, True),
     "bnpo": LossType("ppo", "TRL", "token-mean", _PPO, True),
     "dapo": LossType("ppo", "TRL", "token-mean", _PPO, True),
-    "dr_grpo": LossType("ppo", "TRL", "seq-mean-token-sum-norm", _PPO, True),
-    "luspo": LossType("ppo", "TRL", "seq-mean-token-sum", _PPO, True),
+    "dr_grpo": LossType("ppo", "TRL", "seq-mean-token-sum-norm", _PPO, True, True),
+    "luspo": LossType("ppo", "TRL", "seq-mean-token-sum", _PPO, True, True),
     "cispo": LossType("cispo", "verl, TRL", "token-mean", (), True),
     "sapo": LossType("sapo", "verl, TRL", "seq-mean-token-mean", ("tau_pos", "tau_neg"), True),
     "gspo": LossType("gspo", "verl", "token-mean", ()),
@@ -93,7 +94,7 @@ LOSS_TYPES = {
     "dro": LossType("dro", "verl", "token-mean", ("dro_beta",)),
     "clip_cov": LossType("clip_cov", "verl", "token-mean", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
     "kl_cov": LossType("kl_cov", "verl", "token-mean", ("kl_cov_ratio", "ppo_kl_coef")),
-    "geo_mean": LossType("geo_mean", "verl", "seq-mean-token-mean", ()),
+    "geo_mean": LossType("geo_mean", "verl", "seq-mean-token-mean", (), all_sequences=True),
     "vespo": LossType("vespo", "TRL", "token-mean", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                      "vespo_lambda_neg"), True),
     "bypass_mode": LossType("bypass_mode", "verl", "token-mean", ("bypass_loss_type",)),
