@@ -7,6 +7,10 @@
 namespace kltriton_cpp {
 namespace {
 
+// Rows up to this many entries keep their forward's exponentials for the gradient pass (ExpCache): the kept
+// row (4 bytes an entry) stays in L2 next to the logits row and its gradient. Longer rows recompute them.
+constexpr int64_t kCacheVocab = int64_t{1} << 16;
+
 template <typename T, int FMODE, int BMODE>
 void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d, const int64_t* tgt, int64_t N,
               int64_t V, const Temperatures& temp, const LossParams& P, const RowIn& in, bool entropy_grad,
@@ -14,7 +18,13 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
   constexpr bool REF = FMODE & kRef;
   const Rows3d X(logits3d);
   const Rows3d Y = REF ? Rows3d(*ref3d) : Rows3d();
+  const bool keep_exps = grad != nullptr && V <= kCacheVocab;
+  const int64_t padded = (V + kW - 1) / kW * kW, block_len = kBlockVecs * kW;
+  const int64_t blocks = (V / kW + kBlockVecs - 1) / kBlockVecs + (V % kW ? 1 : 0);
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+    std::vector<float> kept(keep_exps ? padded + 2 * blocks * kW : 0);
+    const ExpCache cache{kept.data(), kept.data() + padded};
+    float* scale = kept.data() + padded + blocks * kW;
     for (int64_t n = begin; n < end; ++n) {
       const int64_t tg = tgt[n];
       T* g = grad ? grad + n * V : nullptr;
@@ -25,7 +35,8 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
       if (tg < 0 || tg >= V) {
         r = skipped_row(tg);
       } else {
-        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo,
+                                     keep_exps ? &cache : nullptr);
       }
       for (int i = 0; i < kNumStats; ++i) {
         if (out[i] != nullptr) out[i][n] = r.v[i];
@@ -47,8 +58,21 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
         continue;
       }
       const RowCoef k = loss_row_coef(temp, n, r, gl, ge, gk);
-      backward_row<T, T, BMODE>(X.row<T>(n), (BMODE & kPLogq) ? Y.row<T>(n) : nullptr, g, V, tg, k);
+      const T* y = (BMODE & kPLogq) ? Y.row<T>(n) : nullptr;
+      if (!keep_exps) {
+        backward_row<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k);
+        continue;
+      }
+      // p = e * exp(frame / T - lse): one exponential per block and lane instead of one per entry
+      const double inv_t = static_cast<double>(hi) + lo, lse = r.v[kStatLse];
+      for (int64_t i = 0; i < blocks * kW; ++i) {
+        scale[i] = static_cast<float>(std::min(std::exp(cache.frames[i] * inv_t - lse), double{kMaxFloat}));
+      }
+      backward_row_cached<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k, cache.e, scale, block_len);
     }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (keep_exps) _mm_sfence();  // the rows' streaming stores are visible before the parallel region ends
+#endif
   });
 }
 

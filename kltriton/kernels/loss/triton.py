@@ -43,9 +43,11 @@ HP_KL_RATIO = tl.constexpr(terms.SLOT["kl_ratio"])
 
 # (variant, reference logits, loss type, estimator, entropy gradient) compiled by benchmarks/static.py:
 # the lightest kernel, the usual GRPO one, the heaviest (full KL: the reference read in both passes),
-# and reference log-probs given per row with CISPO.
+# reference log-probs given per row with CISPO, SAPO's sigmoid gate, and DPPO's binary-KL trust region
+# (float64 logs) with the full KL. tests/kernels/test_triton_compile.py compiles the other formulas too.
 STATIC_VARIANTS = (("ppo", False, "ppo", "", False), ("ppo+ref+k3+ent", True, "ppo", "k3", True),
-                   ("ppo+ref+full+ent", True, "ppo", "full", True), ("cispo+rlogp+k3+", False, "cispo", "k3+", False))
+                   ("ppo+ref+full+ent", True, "ppo", "full", True), ("cispo+rlogp+k3+", False, "cispo", "k3+", False),
+                   ("sapo+rlogp+k3", False, "sapo", "k3", False), ("dppo_kl+ref+full", True, "dppo_kl", "full", False))
 
 
 @triton.jit
@@ -286,10 +288,14 @@ def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimato
     return tr.Launch(constexprs, tr.options(), tile.elements_per_iteration)
 
 
-def launches(vocab: int, elem_bytes: int):
-    """(kernel name, Launch, variant, absent arguments) of ``STATIC_VARIANTS`` (for ``benchmarks/static.py``)."""
-    out = []
-    for variant, has_ref, loss_type, estimator, entropy_grad in STATIC_VARIANTS:
+def launches(vocab: int, elem_bytes: int, variants=STATIC_VARIANTS):
+    """(kernel name, Launch, variant, absent arguments) of ``variants`` and of the entropy mask's
+    ``_accumulate_kernel`` (for ``benchmarks/static.py``)."""
+    block = tr.backward_block(vocab)
+    out = [("_accumulate_kernel", tr.Launch(dict(TERMS=terms_, BLOCK_V=block), tr.options(), block), name,
+            [] if terms_ else ["c_p_logp_ptr"])
+           for name, terms_ in (("accumulate", 0), ("accumulate+plogp", constants.P_LOGP))]
+    for variant, has_ref, loss_type, estimator, entropy_grad in variants:
         launch = _launch(vocab, elem_bytes, has_ref, loss_type, estimator, entropy_grad)
         want = launch.constexprs["WANT"]
         absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(want, s)]
