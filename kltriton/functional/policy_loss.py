@@ -227,6 +227,7 @@ def policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
     is_min: Optional[float] = None,
     entropy_aggregation: Optional[str] = None,
+    pg_aggregation: Optional[str] = None,
     batch_num_tokens=None,
     global_batch_size=None,
     compute_entropy: bool = True,
@@ -276,7 +277,10 @@ def policy_loss(
         rollout_is_weights: precomputed importance weights (verl's ``rollout_is_weights``, TRL's
             ``importance_sampling_ratio``): ``S``, ``[num_seqs]`` or ``[B, 1]``, multiply the policy term (VESPO:
             enter its sequence weight; geo_mean: as their per-sequence geometric mean, as verl).
-        aggregation: verl ``agg_loss`` mode (default: the loss type's, ``docs/api/losses.md``); ``horizon``
+        aggregation: verl ``agg_loss`` mode (default: the loss type's, ``docs/api/losses.md``) of every term;
+            ``pg_aggregation`` another one for the policy term alone (verl's ``sapo`` and ``geo_mean`` fix theirs,
+            while its KL and entropy terms follow ``loss_agg_mode``; ``geo_mean``'s is over the local sequences,
+            as verl's ``torch.mean``); ``horizon``
             divides ``"seq-mean-token-sum-norm"`` (verl's ``loss_scale_factor``; default the padded length ``T``,
             the longest packed segment, or ``N``); ``batch_num_tokens`` / ``global_batch_size`` replace the
             token-mean / seq-mean denominators (verl's ``global_batch_info``; numbers or 0-dim tensors).
@@ -299,7 +303,8 @@ def policy_loss(
     spec = terms.loss_type_of(loss_type)
     params = terms.loss_parameters(loss_type, loss_parameters)
     aggregation = spec.aggregation if aggregation is None else aggregation
-    for name, value in (("aggregation", aggregation), ("entropy_aggregation", entropy_aggregation)):
+    for name, value in (("aggregation", aggregation), ("entropy_aggregation", entropy_aggregation),
+                        ("pg_aggregation", pg_aggregation)):
         if value is not None and value not in AGGREGATIONS:
             raise ValueError(f"{name} must be one of {AGGREGATIONS}, got {value!r}")
     if is_mode is not None and is_mode not in IS_MODES:
@@ -391,13 +396,18 @@ def policy_loss(
                                kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
                                **{name: runtime_scalar(value, device) for name, value in params.items()
                                   if isinstance(value, float)})
+    agg_pg = agg_w
+    if pg_aggregation is not None:
+        agg_pg = _aggregation_weights(pg_aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                      runtime_scalar(max(num_seqs, 1), device) if formula == "geo_mean"
+                                      else num_seqs_agg)
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
     full = estimator is not None and estimator.needs_ref_logits
 
     # Per-row policy-term weights known before the logits are read: the given IS weights (VESPO reads them inside
     # its sequence weight; geo_mean as their per-sequence geometric mean).
-    pg_weight = torch.ones_like(agg_w)
+    pg_weight = torch.ones_like(agg_pg)
     log_is = None
     if given_is is not None:
         if formula == "vespo":
@@ -429,7 +439,7 @@ def policy_loss(
         if rollout is not None:
             is_info = _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
             pg_weight = pg_weight * is_info[0]
-        w_pg = agg_w * pg_weight
+        w_pg = agg_pg * pg_weight
         w_ent = entropy_aggregation_weights(None) * minus_entropy_coef
         inputs = LossInputs(old, adv, w_pg, w_kl, w_ent, ref_logp_given)
         loss, stats, threshold = route.fused_loss(
@@ -456,7 +466,7 @@ def policy_loss(
         if quantile is not None:
             keep, threshold = terms.entropy_keep(entropy.detach(), scored, quantile)
             pg_weight = pg_weight * keep.to(acc)
-        w_pg = agg_w * pg_weight
+        w_pg = agg_pg * pg_weight
     if not compute_entropy:
         entropy = torch.zeros_like(logp)
     ent_agg = entropy_aggregation_weights(keep)
