@@ -13,12 +13,12 @@
 namespace kltriton_cpp {
 
 // The formulas with a fused kernel, named as in kltriton/kernels/loss/terms.py (FUSED), and the KL estimators.
-enum LossType : int { kPpo, kCispo, kSapo, kGpg, kDppoTv, kDppoKl, kDro };
+enum LossType : int { kPpo, kCispo, kSapo, kGpg, kDppoTv, kDppoKl, kDro, kClippedRatio };
 enum KlEstimator : int { kNoKl, kK1, kAbs, kK2, kK3, kFull };
 
 inline LossType loss_type_of(const std::string& name) {
-  static const char* const names[] = {"ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro"};
-  for (int i = 0; i <= kDro; ++i) {
+  static const char* const names[] = {"ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio"};
+  for (int i = 0; i <= kClippedRatio; ++i) {
     if (name == names[i]) return static_cast<LossType>(i);
   }
   TORCH_CHECK(false, "kltriton_cpp: no fused kernel for loss_type '", name, "'");
@@ -97,6 +97,8 @@ inline double pg_slope(const LossParams& P, double lp, double old, double d, dou
     }
     case kGpg:  // -logp * A
       return -A;
+    case kClippedRatio:  // -clip(r) * A, through the ratio inside the range
+      return ratio >= P.ratio_low && ratio <= P.ratio_high ? -A * d_ratio : 0.0;
     case kDppoTv:
     case kDppoKl:  // -A * sg(min(r, clip_ratio_c)) * logp inside the trust region
       return dppo_valid(P, lp, old, A) ? -A * std::min(ratio, P.clip_ratio_c) : 0.0;

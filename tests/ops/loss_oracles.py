@@ -121,6 +121,10 @@ def policy_term(lt, cfg, logp, old, A, m, is_log):
     if lt == "cispo":
         cr = torch.clamp(ratio, 1 - low, 1 + high)
         return -cr.detach() * A * logp, ratio, ratio != cr, zero, -lr, {}
+    if lt == "clipped_ratio":  # torchrl CISPOLoss: -exp(clamp(log r, log(1 - low), log(1 + high))) A
+        lw = logp - old
+        clipped_lw = lw.clamp(math.log1p(-low), math.log1p(high))
+        return -clipped_lw.exp() * A, ratio, clipped_lw != lw, zero, -lr, {}
     if lt == "sapo":
         tau = torch.where(A > 0, cfg.get("tau_pos", 1.0), cfg.get("tau_neg", 1.05))
         return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * A, ratio, zero, zero, -lr, {}

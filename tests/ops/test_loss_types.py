@@ -41,6 +41,7 @@ CONFIGS = [
     dict(loss_type="geo_mean", clip_low=0.2, clip_high=0.28, rollout_is_weights=True, per_sequence=True),
     dict(loss_type="vespo", kl_coef=0.04, use_bias_correction_kl=True, per_sequence=True),
     dict(loss_type="vespo", rollout_is_weights=True, vespo_k_pos=1.5, vespo_lambda_neg=2.5),
+    dict(loss_type="clipped_ratio", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01),
     dict(loss_type="bypass_mode", clip_low=0.2, dual_clip=3.0, kl_coef=0.1),
     dict(loss_type="bypass_mode", bypass_loss_type="reinforce", is_mode="sequence_truncate", is_cap=1.5),
     # the options on their own
@@ -100,16 +101,22 @@ def test_matches_oracle(backend, cfg):
         assert_close(x.grad, upstream * e_grad, 2e-6, 1e-4, what=f"grad (upstream {upstream})")
 
 
+def _first(**match):
+    return next(cfg for cfg in CONFIGS if all(cfg.get(k) == v for k, v in match.items()))
+
+
 def test_the_oracle_cases_are_not_trivial():
     """The configurations exercise what they name: clips, trust regions, masks and selections are hit."""
     d = batch()
     x = d.logits.double()
-    for cfg, metric in ((CONFIGS[0], "clipfrac"), (CONFIGS[0], "clipfrac_lower"), (CONFIGS[15], "clipfrac"),
-                        (CONFIGS[16], "clipfrac"), (CONFIGS[18], "clipfrac"), (CONFIGS[5], "is_masked_frac")):
+    for cfg, metric in ((_first(loss_type="vanilla"), "clipfrac"), (_first(loss_type="vanilla"), "clipfrac_lower"),
+                        (_first(loss_type="dppo_tv"), "clipfrac"), (_first(loss_type="dppo_kl"), "clipfrac"),
+                        (_first(loss_type="clip_cov"), "clipfrac"), (_first(loss_type="clipped_ratio"), "clipfrac"),
+                        (_first(loss_type="dapo", is_mode="token_truncate"), "is_masked_frac")):
         torch.manual_seed(5)
         value = oracle(x, d, cfg)[2][metric]
         assert 0 < value < 1, (cfg["loss_type"], metric, value)
-    kept = oracle(x, d, CONFIGS[25])[2]["entropy_threshold"]
+    kept = oracle(x, d, _first(token_mask_entropy_quantile=0.8))[2]["entropy_threshold"]
     assert 0 < kept
 
 

@@ -98,9 +98,10 @@ LOSS_TYPES = {
     "vespo": LossType("vespo", "TRL", "token-mean", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                                                      "vespo_lambda_neg"), True),
     "bypass_mode": LossType("bypass_mode", "verl", "token-mean", ("bypass_loss_type",)),
+    "clipped_ratio": LossType("clipped_ratio", "torchrl CISPOLoss", "token-mean", ()),
 }
 # Formulas whose derivative w.r.t. a row's log-prob depends on that row alone: the fused kernels.
-FUSED = ("ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro")
+FUSED = ("ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio")
 # Formulas that need whole sequences (a sequence ratio or weight) or the whole batch (a covariance selection)
 # before any row's derivative: the two-pass route.
 SEQUENCE = ("gspo", "geo_mean", "vespo")
@@ -250,6 +251,13 @@ def cispo(b: Batch, ratio, log_ratio):
     return pg, ratio, ratio != clipped, _no(b), log_ratio
 
 
+def clipped_ratio(b: Batch, ratio, log_ratio):
+    """torchrl ``CISPOLoss``: ``-clip(r, 1 - clip_low, 1 + clip_high) * A``, differentiable through the ratio
+    inside the range (verl's and TRL's ``cispo`` detach the clipped ratio and multiply by ``logp`` instead)."""
+    clipped = torch.clamp(ratio, b.param("ratio_low"), b.param("ratio_high"))
+    return -clipped * b.adv, ratio, ratio != clipped, _no(b), log_ratio
+
+
 def sapo(b: Batch, ratio, log_ratio):
     """verl ``compute_policy_loss_sapo`` / TRL ``sapo``: the soft gate ``sigmoid(tau (r - 1)) * 4 / tau`` with
     ``tau = tau_pos`` where ``A > 0`` else ``tau_neg``: ``-gate * A``."""
@@ -381,7 +389,8 @@ def vespo(b: Batch, ratio, log_ratio):
 
 
 FORMULAS = {"ppo": ppo, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dppo_tv": _dppo(False), "dppo_kl": _dppo(True),
-            "dro": dro, "gspo": gspo, "clip_cov": clip_cov, "kl_cov": kl_cov, "geo_mean": geo_mean, "vespo": vespo}
+            "dro": dro, "clipped_ratio": clipped_ratio, "gspo": gspo, "clip_cov": clip_cov, "kl_cov": kl_cov,
+            "geo_mean": geo_mean, "vespo": vespo}
 assert set(FORMULAS) == set(FUSED + SEQUENCE + BATCH)
 
 
@@ -459,6 +468,13 @@ def _cispo_slope(logp, old, adv, hp):
     return -torch.clamp(ratio, hp[SLOT["ratio_low"]], hp[SLOT["ratio_high"]]) * adv
 
 
+def _clipped_ratio_slope(logp, old, adv, hp):
+    """``d pg / d logp`` of ``clipped_ratio``: ``-A * r`` inside the clip range, 0 outside."""
+    _, ratio, d_ratio = _ratio_slope(logp, old)
+    inside = (ratio >= hp[SLOT["ratio_low"]]) & (ratio <= hp[SLOT["ratio_high"]])
+    return torch.where(inside, -adv * d_ratio, torch.zeros_like(ratio))
+
+
 def _sapo_slope(logp, old, adv, hp):
     """``d pg / d logp`` of ``sapo``: ``-A * 4 sigmoid'(tau (r - 1)) * r``."""
     _, ratio, d_ratio = _ratio_slope(logp, old)
@@ -486,7 +502,8 @@ def _dro_slope(logp, old, adv, hp):
 
 # d pg / d logp per row of the formulas in FUSED, written out (the C++ and Triton kernels compute the same).
 SLOPES = {"ppo": _ppo_slope, "cispo": _cispo_slope, "sapo": _sapo_slope, "gpg": _gpg_slope,
-          "dppo_tv": _dppo_slope(False), "dppo_kl": _dppo_slope(True), "dro": _dro_slope}
+          "dppo_tv": _dppo_slope(False), "dppo_kl": _dppo_slope(True), "dro": _dro_slope,
+          "clipped_ratio": _clipped_ratio_slope}
 assert set(SLOPES) == set(FUSED)
 
 

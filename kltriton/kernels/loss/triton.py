@@ -86,6 +86,8 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
         tau = tl.where(adv > 0, tl.load(hp_ptr + HP_TAU_POS), tl.load(hp_ptr + HP_TAU_NEG))
         sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
         slope = -adv * 4.0 * sig * (1.0 - sig) * d_ratio
+    elif LOSS_TYPE == "clipped_ratio":  # -clip(r) * A, through the ratio inside the range
+        slope = tl.where((ratio >= low) & (ratio <= high), -adv * d_ratio, 0.0)
     elif LOSS_TYPE == "gpg":  # -logp * A
         slope = -adv
     elif LOSS_TYPE == "dro":  # -(logp A - beta / 2 (logp - old)^2)
