@@ -34,6 +34,7 @@ constexpr int64_t kW = Vec::size();  // floats per vector register
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kLowest = std::numeric_limits<float>::lowest();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kMaxFloat = std::numeric_limits<float>::max();
 
 // Per-row target sentinels, defined once in kltriton/kernels/constants.py and passed as -D flags.
 constexpr int64_t kSkip = KLTRITON_SKIP;               // not scored: outputs 0, never read
@@ -118,6 +119,47 @@ inline void store_f2(T* p, const Vec& a, const Vec& b) {
   } else {
     at::vec::convert_from_float<T>(a, b).store(p);
   }
+}
+
+// Bytes one stream_f2 call writes with each non-temporal store (the alignment it needs), 0 without them.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr uintptr_t kStreamAlign = 64;
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr uintptr_t kStreamAlign = 32;
+#else
+constexpr uintptr_t kStreamAlign = 0;
+#endif
+
+// Whether stream_f2 may write at p: non-temporal stores need p aligned to their width.
+template <typename T>
+inline bool streamable(const T* p) {
+  return kStreamAlign != 0 && reinterpret_cast<uintptr_t>(p) % kStreamAlign == 0;
+}
+
+// store_f2 with non-temporal (streaming) stores, for p with streamable(p): they write around the cache, with no
+// read of the destination line first. For a gradient that is read back long after it is written (the fused
+// loss's, read in the backward), so that it neither costs a read nor evicts the rows being streamed. The writer
+// calls _mm_sfence() before its results are read by another thread.
+template <typename T>
+inline void stream_f2(T* p, const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_stream_ps(p, a);
+    _mm512_stream_ps(p + kW, b);
+  } else {
+    store_f2(p, a, b);  // 2 * 16 half floats: 64 bytes, one 512-bit line; kept as an ordinary store
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_stream_ps(p, a);
+    _mm256_stream_ps(p + kW, b);
+  } else {
+    const at::vec::Vectorized<T> packed = at::vec::convert_from_float<T>(a, b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
+  }
+#else
+  store_f2(p, a, b);
+#endif
 }
 
 // a * b + c with one rounding: x * invT - shift must not round x * invT at the scale of |x| / T
@@ -302,12 +344,17 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
                                      const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
                                      const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters,
                                      const std::string& loss_type, const std::string& estimator,
-                                     bool straight_through, bool entropy_grad, bool with_grad);
+                                     bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy);
 
 at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
                              const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
-                             const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& hyperparameters,
-                             const std::string& loss_type, const std::string& estimator, bool straight_through);
+                             const at::Tensor& w_pg, const at::Tensor& w_kl, const std::optional<at::Tensor>& full_kl,
+                             const at::Tensor& hyperparameters, const std::string& loss_type,
+                             const std::string& estimator, bool straight_through);
+
+void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Tensor& target,
+                      const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& c_label,
+                      const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 

@@ -1,6 +1,6 @@
 // The policy loss's derivative per row (family `loss`, kltriton/kernels/loss/): the fused loss kernel
 // (loss_forward.cpp) computes, from a row's statistics and its per-row weights,
-//   d loss_n / d (logp, entropy, full_kl) of  w_pg * pg(logp) + w_kl * kl(logp) + w_ent * entropy
+//   d loss_n / d (logp, entropy, full_kl) of  w_pg * pg(logp) + w_kl * kl(logp) [* ratio] + w_ent * entropy
 // and turns it into the row's gradient basis (row_backward.h). The same derivative is written in
 // Triton (kltriton/kernels/loss/triton.py) and in PyTorch (kltriton/kernels/loss/terms.py, the formulas
 // themselves); tests/kernels/test_loss_coefficients.py holds the three against each other. At an
@@ -12,14 +12,17 @@
 
 namespace kltriton_cpp {
 
-// The loss types and KL estimators with a fused kernel, named as in kltriton/kernels/loss/terms.py.
-enum LossType : int { kPpo, kCispo };
+// The formulas with a fused kernel, named as in kltriton/kernels/loss/terms.py (FUSED), and the KL estimators.
+enum LossType : int { kPpo, kCispo, kSapo, kGpg, kDppoTv, kDppoKl, kDro, kClippedRatio };
 enum KlEstimator : int { kNoKl, kK1, kAbs, kK2, kK3, kFull };
 
 inline LossType loss_type_of(const std::string& name) {
-  if (name == "ppo") return kPpo;
-  TORCH_CHECK(name == "cispo", "kltriton_cpp: no fused kernel for loss_type '", name, "'");
-  return kCispo;
+  static const char* const names[] = {"ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio"};
+  for (int i = 0; i <= kClippedRatio; ++i) {
+    if (name == names[i]) return static_cast<LossType>(i);
+  }
+  TORCH_CHECK(false, "kltriton_cpp: no fused kernel for loss_type '", name, "'");
+  return kPpo;
 }
 
 inline KlEstimator estimator_of(const std::string& name) {
@@ -39,6 +42,8 @@ struct LossParams {
   KlEstimator estimator;
   bool straight_through;
   double ratio_low, ratio_high, dual_clip, kl_clamp;  // dual_clip / kl_clamp: +inf when off
+  double delta, tau_pos, tau_neg, clip_ratio_c, dro_beta;  // delta: +inf when off
+  bool kl_ratio;  // the KL term is multiplied by the ratio (TRL use_bias_correction_kl)
 
   LossParams(const std::string& type, const std::string& est, bool straight, const double* hp)
       : loss_type(loss_type_of(type)),
@@ -47,7 +52,13 @@ struct LossParams {
         ratio_low(hp[KLTRITON_HP_RATIO_LOW]),
         ratio_high(hp[KLTRITON_HP_RATIO_HIGH]),
         dual_clip(hp[KLTRITON_HP_DUAL_CLIP]),
-        kl_clamp(hp[KLTRITON_HP_KL_CLAMP]) {}
+        kl_clamp(hp[KLTRITON_HP_KL_CLAMP]),
+        delta(hp[KLTRITON_HP_DELTA]),
+        tau_pos(hp[KLTRITON_HP_TAU_POS]),
+        tau_neg(hp[KLTRITON_HP_TAU_NEG]),
+        clip_ratio_c(hp[KLTRITON_HP_CLIP_RATIO_C]),
+        dro_beta(hp[KLTRITON_HP_DRO_BETA]),
+        kl_ratio(hp[KLTRITON_HP_KL_RATIO] != 0.0) {}
 };
 
 // Per-row inputs of the loss (kltriton.kernels.loss.LossInputs).
@@ -55,37 +66,84 @@ struct RowIn {
   const float *old, *adv, *wpg, *wkl, *went, *rlogp;  // old / rlogp: nullptr when absent
 };
 
-// d loss_n / d logp of one row (the policy-gradient term and the KL term's slope).
-inline double row_g_logp(const LossParams& P, const RowIn& in, int64_t n, double lp, double rlp) {
-  const double old = in.old ? static_cast<double>(in.old[n]) : lp;  // on-policy: old = logp
-  const double A = in.adv[n];
-  const double d = static_cast<double>(static_cast<float>(lp - old));
+// DPPO's trust region (verl dppo_tv / dppo_kl): the divergence between p = exp(lp) and p_old = exp(old)
+// within clip_high (A > 0) or clip_low (A <= 0).
+inline bool dppo_valid(const LossParams& P, double lp, double old, double A) {
+  const double clip_low = 1.0 - P.ratio_low, clip_high = P.ratio_high - 1.0;
+  const double p = std::exp(lp), p_old = std::exp(old);
+  if (P.loss_type == kDppoTv) return A > 0 ? (p - p_old) <= clip_high : (p - p_old) >= -clip_low;
+  const double div = p_old * (old - lp) + (1.0 - p_old) * std::log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8));
+  return A > 0 ? (div <= clip_high || p <= p_old) : (div <= clip_low || p >= p_old);
+}
+
+// d pg / d logp of one row (before the row's weight w_pg), for d = fp32(lp - old).
+inline double pg_slope(const LossParams& P, double lp, double old, double d, double A) {
   const double ratio = std::exp(std::min(std::max(d, -kLogRatioClamp), kLogRatioClamp));
-  const double clipped = std::min(std::max(ratio, P.ratio_low), P.ratio_high);
-  double g_lp = 0.0;
-  if (P.loss_type == kPpo) {
-    const double pg1 = -A * ratio, pg2 = -A * clipped;
-    double g_ratio = pg1 >= pg2 ? -A : 0.0;
-    if (A < 0 && std::max(pg1, pg2) > -A * P.dual_clip) g_ratio = 0.0;  // dual clip holds the loss
-    const double d_ratio = std::abs(d) <= kLogRatioClamp ? ratio : 0.0;
-    g_lp = in.wpg[n] * g_ratio * d_ratio;
-  } else {  // cispo: -sg(clip(ratio)) * A * logp
-    g_lp = -in.wpg[n] * clipped * A;
-  }
-  if (P.estimator != kNoKl && P.estimator != kFull) {
-    const double dk = lp - rlp;
-    double value = 0.0, slope = 0.0;
-    switch (P.estimator) {
-      case kK1: value = dk; slope = 1.0; break;
-      case kAbs: value = std::abs(dk); slope = dk > 0 ? 1.0 : (dk < 0 ? -1.0 : 0.0); break;
-      case kK2: value = 0.5 * dk * dk; slope = dk; break;
-      default: value = std::expm1(-dk) + dk; slope = -std::expm1(-dk); break;  // k3
+  const double d_ratio = std::abs(d) <= kLogRatioClamp ? ratio : 0.0;  // d ratio / d logp
+  switch (P.loss_type) {
+    case kPpo: {  // max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
+      const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * std::min(std::max(ratio, P.ratio_low), P.ratio_high);
+      double g_ratio = pg1 >= pg2 ? (ratio <= P.delta ? -A : 0.0)
+                                  : (ratio >= P.ratio_low && ratio <= P.ratio_high ? -A : 0.0);
+      if (A < 0 && std::max(pg1, pg2) > -A * P.dual_clip) g_ratio = 0.0;  // dual clip holds the loss
+      return g_ratio * d_ratio;
     }
-    if (std::abs(value) > P.kl_clamp) slope = 0.0;
-    if (P.straight_through) slope = dk;  // verl "k3+": the value of k3, the gradient of k2
-    g_lp += in.wkl[n] * slope;
+    case kCispo:  // -sg(clip(ratio)) * A * logp
+      return -std::min(std::max(ratio, P.ratio_low), P.ratio_high) * A;
+    case kSapo: {  // -A * 4 sigmoid(tau (r - 1)) / tau
+      const double tau = A > 0 ? P.tau_pos : P.tau_neg;
+      const double s = 1.0 / (1.0 + std::exp(-tau * (ratio - 1.0)));
+      return -A * 4.0 * s * (1.0 - s) * d_ratio;
+    }
+    case kGpg:  // -logp * A
+      return -A;
+    case kClippedRatio:  // -clip(r) * A, through the ratio inside the range
+      return ratio >= P.ratio_low && ratio <= P.ratio_high ? -A * d_ratio : 0.0;
+    case kDppoTv:
+    case kDppoKl:  // -A * sg(min(r, clip_ratio_c)) * logp inside the trust region
+      return dppo_valid(P, lp, old, A) ? -A * std::min(ratio, P.clip_ratio_c) : 0.0;
+    default:  // kDro: -(logp A - beta / 2 (logp - old)^2)
+      return -A + P.dro_beta * d;
   }
-  return g_lp;
+}
+
+// d loss_n / d (logp, full_kl) of one row: the policy-gradient term and the KL term (times the ratio with
+// kl_ratio: slope kl' r + kl dr). full_kl: the row's full KL (the "full" estimator).
+struct RowSlopes {
+  double logp, full_kl;
+};
+
+inline RowSlopes row_g_logp(const LossParams& P, const RowIn& in, int64_t n, double lp, double rlp,
+                            double full_kl = 0.0) {
+  const double old = in.old ? static_cast<double>(in.old[n]) : lp;  // on-policy: old = logp
+  const double d = static_cast<double>(static_cast<float>(lp - old));
+  RowSlopes g{in.wpg[n] * pg_slope(P, lp, old, d, in.adv[n]), 0.0};
+  if (P.estimator == kNoKl) return g;
+  const double ratio = std::exp(std::min(std::max(d, -kLogRatioClamp), kLogRatioClamp));
+  const double d_ratio = std::abs(d) <= kLogRatioClamp ? ratio : 0.0;
+  const double weight = P.kl_ratio ? ratio : 1.0;
+  if (P.estimator == kFull) {  // the full KL's own gradient goes through its statistic; 0 where clamped
+    const bool held = std::abs(full_kl) > P.kl_clamp;
+    g.full_kl = held ? 0.0 : in.wkl[n] * weight;
+    const double value = held ? (full_kl > 0 ? P.kl_clamp : -P.kl_clamp) : full_kl;
+    if (P.kl_ratio) g.logp += in.wkl[n] * value * d_ratio;
+    return g;
+  }
+  const double dk = lp - rlp;
+  double value = 0.0, slope = 0.0;
+  switch (P.estimator) {
+    case kK1: value = dk; slope = 1.0; break;
+    case kAbs: value = std::abs(dk); slope = dk > 0 ? 1.0 : (dk < 0 ? -1.0 : 0.0); break;
+    case kK2: value = 0.5 * dk * dk; slope = dk; break;
+    default: value = std::expm1(-dk) + dk; slope = -std::expm1(-dk); break;  // k3
+  }
+  if (std::abs(value) > P.kl_clamp) {
+    slope = 0.0;
+    value = value > 0 ? P.kl_clamp : -P.kl_clamp;
+  }
+  if (P.straight_through) slope = dk;  // verl "k3+": the value of k3, the gradient of k2
+  g.logp += in.wkl[n] * (slope * weight + (P.kl_ratio ? value * d_ratio : 0.0));
+  return g;
 }
 
 // The gradient basis of a loss row from d loss / d (logp, entropy, full_kl) and the row's statistics,

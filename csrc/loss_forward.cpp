@@ -7,6 +7,10 @@
 namespace kltriton_cpp {
 namespace {
 
+// Rows up to this many entries keep their forward's exponentials for the gradient pass (ExpCache): the kept
+// row (4 bytes an entry) stays in L2 next to the logits row and its gradient. Longer rows recompute them.
+constexpr int64_t kCacheVocab = int64_t{1} << 16;
+
 template <typename T, int FMODE, int BMODE>
 void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d, const int64_t* tgt, int64_t N,
               int64_t V, const Temperatures& temp, const LossParams& P, const RowIn& in, bool entropy_grad,
@@ -14,7 +18,13 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
   constexpr bool REF = FMODE & kRef;
   const Rows3d X(logits3d);
   const Rows3d Y = REF ? Rows3d(*ref3d) : Rows3d();
+  const bool keep_exps = grad != nullptr && V <= kCacheVocab;
+  const int64_t padded = (V + kW - 1) / kW * kW, block_len = kBlockVecs * kW;
+  const int64_t blocks = (V / kW + kBlockVecs - 1) / kBlockVecs + (V % kW ? 1 : 0);
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+    std::vector<float> kept(keep_exps ? padded + 2 * blocks * kW : 0);
+    const ExpCache cache{kept.data(), kept.data() + padded};
+    float* scale = kept.data() + padded + blocks * kW;
     for (int64_t n = begin; n < end; ++n) {
       const int64_t tg = tgt[n];
       T* g = grad ? grad + n * V : nullptr;
@@ -25,7 +35,8 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
       if (tg < 0 || tg >= V) {
         r = skipped_row(tg);
       } else {
-        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo);
+        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo, -kInf,
+                                     keep_exps ? &cache : nullptr);
       }
       for (int i = 0; i < kNumStats; ++i) {
         if (out[i] != nullptr) out[i][n] = r.v[i];
@@ -37,12 +48,31 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
       }
       const double lp = r.v[kStatLogp];
       const double rlp = REF ? r.v[kStatRefLogp] : (in.rlogp ? in.rlogp[n] : 0.f);
-      const double gl = static_cast<float>(row_g_logp(P, in, n, lp, rlp));
+      const double fkl = P.estimator == kFull ? r.v[kStatFullKl] : 0.0;
+      const RowSlopes s = row_g_logp(P, in, n, lp, rlp, fkl);
+      const double gl = static_cast<float>(s.logp);
       const double ge = entropy_grad ? in.went[n] : 0.0;
-      const double gk = P.estimator == kFull ? in.wkl[n] : 0.0;
+      const double gk = static_cast<float>(s.full_kl);
+      if (gl == 0.0 && ge == 0.0 && gk == 0.0) {  // nothing to write but zeros (the entropy mask's first pass)
+        zero_row(g, V);
+        continue;
+      }
       const RowCoef k = loss_row_coef(temp, n, r, gl, ge, gk);
-      backward_row<T, T, BMODE>(X.row<T>(n), (BMODE & kPLogq) ? Y.row<T>(n) : nullptr, g, V, tg, k);
+      const T* y = (BMODE & kPLogq) ? Y.row<T>(n) : nullptr;
+      if (!keep_exps) {
+        backward_row<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k);
+        continue;
+      }
+      // p = e * exp(frame / T - lse): one exponential per block and lane instead of one per entry
+      const double inv_t = static_cast<double>(hi) + lo, lse = r.v[kStatLse];
+      for (int64_t i = 0; i < blocks * kW; ++i) {
+        scale[i] = static_cast<float>(std::min(std::exp(cache.frames[i] * inv_t - lse), double{kMaxFloat}));
+      }
+      backward_row_cached<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k, cache.e, scale, block_len);
     }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (keep_exps) _mm_sfence();  // the rows' streaming stores are visible before the parallel region ends
+#endif
   });
 }
 
@@ -67,7 +97,7 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
                                      const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
                                      const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters,
                                      const std::string& loss_type, const std::string& estimator,
-                                     bool straight_through, bool entropy_grad, bool with_grad) {
+                                     bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy) {
   int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
   std::tie(N, V) = check_stream_args(logits3d, target, temperature);
   const LossParams P(loss_type, estimator, straight_through, hyperparameters_ptr(hyperparameters));
@@ -83,7 +113,8 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
                  f32_ptr(w_pg, N, "w_pg"), f32_ptr(w_kl, N, "w_kl"), f32_ptr(w_ent, N, "w_ent"),
                  has_ref ? nullptr : f32_ptr(ref_logp, N, "ref_logp")};
 
-  const int fmode = kEntropy | (has_ref ? kRef : 0) | (full ? kFullKl : 0);
+  TORCH_CHECK(with_entropy || !entropy_grad, "kltriton_cpp: an entropy gradient needs the entropy");
+  const int fmode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (full ? kFullKl : 0);
   const auto f32 = logits3d.options().dtype(at::kFloat);
   std::vector<at::Tensor> outs;
   float* out[kNumStats];
@@ -100,7 +131,7 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
   with_dtype(logits3d.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* g = with_grad ? outs.back().data_ptr<T>() : nullptr;
-    with_mode<kEntropy, kEntropy | kRef, kEntropy | kRef | kFullKl>(fmode, [&](auto fm) {
+    with_mode<0, kRef, kRef | kFullKl, kEntropy, kEntropy | kRef, kEntropy | kRef | kFullKl>(fmode, [&](auto fm) {
       with_mode<0, kPLogp, kPLogp | kPLogq>(bmode, [&](auto bm) {
         constexpr int F = decltype(fm)::value, B = decltype(bm)::value;
         if constexpr ((B & kPLogq) == 0 || (F & kFullKl) != 0) {
@@ -116,18 +147,59 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
 
 at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
                              const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
-                             const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& hyperparameters,
-                             const std::string& loss_type, const std::string& estimator, bool straight_through) {
+                             const at::Tensor& w_pg, const at::Tensor& w_kl, const std::optional<at::Tensor>& full_kl,
+                             const at::Tensor& hyperparameters, const std::string& loss_type,
+                             const std::string& estimator, bool straight_through) {
   const int64_t N = logp.numel();
   const LossParams P(loss_type, estimator, straight_through, hyperparameters_ptr(hyperparameters));
   const RowIn in{f32_ptr(old_logp, N, "old_logp"), f32_ptr(advantages, N, "advantages"), f32_ptr(w_pg, N, "w_pg"),
                  f32_ptr(w_kl, N, "w_kl"), nullptr, nullptr};
   const float* lp = f32_ptr(logp, N, "logp");
   const float* rlp = f32_ptr(ref_logp, N, "ref_logp");
+  const float* fkl = f32_ptr(full_kl, N, "full_kl");
   at::Tensor g = at::empty({N}, logp.options());
   float* out = g.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) out[n] = static_cast<float>(row_g_logp(P, in, n, lp[n], rlp[n]));
+  for (int64_t n = 0; n < N; ++n) out[n] = static_cast<float>(row_g_logp(P, in, n, lp[n], rlp[n], fkl ? fkl[n] : 0.f).logp);
   return g;
+}
+
+void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Tensor& target,
+                      const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& c_label,
+                      const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  TORCH_CHECK(grad.is_contiguous() && grad.numel() == N * V && grad.scalar_type() == logits3d.scalar_type(),
+              "kltriton_cpp: grad must be a contiguous [N, V] tensor of the logits' dtype");
+  const float* lse_p = f32_ptr(lse, N, "lse");
+  const float* cl = f32_ptr(c_label, N, "c_label");
+  const float* cp = f32_ptr(c_p, N, "c_p");
+  const float* cpl = f32_ptr(c_p_logp, N, "c_p_logp");
+  if (N == 0) return;
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const Rows3d X(logits3d);
+  with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* g = grad.data_ptr<T>();
+    auto rows = [&](auto mode) {
+      constexpr int B = decltype(mode)::value;
+      at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          const float pl = cpl ? cpl[n] : 0.f;
+          // A row with nothing to add is not read: the entropy mask touches its kept rows only.
+          if (tgt[n] < 0 || tgt[n] >= V || !std::isfinite(lse_p[n]) || (cl[n] == 0.f && cp[n] == 0.f && pl == 0.f))
+            continue;
+          const RowCoef k = row_coef(temp, n, lse_p[n], 0.f, cl[n], cp[n], pl, 0.f);
+          backward_row<T, T, B, false, true>(X.row<T>(n), nullptr, g + n * V, V, tgt[n], k);
+        }
+      });
+    };
+    if (cpl) {
+      rows(std::integral_constant<int, kPLogp>{});
+    } else {
+      rows(std::integral_constant<int, 0>{});
+    }
+  });
 }
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream) {

@@ -29,10 +29,15 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
       "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "
-      "str loss_type, str estimator, bool straight_through, bool entropy_grad, bool with_grad) -> Tensor[]");
+      "str loss_type, str estimator, bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy) "
+      "-> Tensor[]");
   m.def(
       "loss_coefficients(Tensor logp, Tensor ref_logp, Tensor? old_logp, Tensor advantages, Tensor w_pg, "
-      "Tensor w_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) -> Tensor");
+      "Tensor w_kl, Tensor? full_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) "
+      "-> Tensor");
+  m.def(
+      "loss_accumulate_(Tensor(a!) grad, Tensor logits3d, Tensor target, Tensor temperature, Tensor lse, "
+      "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> ()");
   m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
   m.def(
       "truncated_forward(Tensor logits3d, Tensor target, Tensor temperature, Tensor top_k, Tensor top_p, "
@@ -55,6 +60,7 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("stream_backward", &kltriton_cpp::stream_backward);
   m.impl("loss_forward", &kltriton_cpp::loss_forward);
   m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
+  m.impl("loss_accumulate_", &kltriton_cpp::loss_accumulate_);
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
   m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
   m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
@@ -69,6 +75,7 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("stream_backward", torch::CppFunction::makeFallthrough());
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
+  m.impl("loss_accumulate_", torch::CppFunction::makeFallthrough());
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
   m.impl("truncated_forward", torch::CppFunction::makeFallthrough());
   m.impl("truncated_backward", torch::CppFunction::makeFallthrough());

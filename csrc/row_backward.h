@@ -52,10 +52,12 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
 }
 
 // FLOOR (the truncation family): the logits below `floor` are read as -inf (p = 0, no gradient there).
-template <typename T, typename R, int MODE, bool FLOOR = false>
+// ADD: g += the row's gradient instead of g = (the entropy mask's last pass, loss_forward.cpp).
+template <typename T, typename R, int MODE, bool FLOOR = false, bool ADD = false>
 inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k,
                          float floor = -kInf) {
   constexpr bool READS_Y = (MODE & (kPLogq | kQ)) != 0;
+  const float g_label = ADD ? static_cast<float>(g[label]) : 0.f;
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq), vQ(k.q);
   const Vec zero(0.f), nA(-k.p), lowest(kLowest), vfloor(floor), vninf(-kInf);
   auto grad_vec = [&](const Vec& xin, const Vec& yraw) -> Vec {
@@ -88,7 +90,13 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
     Vec x0, x1, y0 = zero, y1 = zero;
     load_f2(x + v, x0, x1);
     if constexpr (READS_Y) load_f2(y + v, y0, y1);
-    store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
+    if constexpr (ADD) {
+      Vec g0, g1;
+      load_f2(g + v, g0, g1);
+      store_f2(g + v, g0 + grad_vec(x0, y0), g1 + grad_vec(x1, y1));
+    } else {
+      store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
+    }
   }
   auto read = [&](int64_t i) {
     const float xi = static_cast<float>(x[i]);
@@ -96,10 +104,79 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
   };
   for (; v < V; ++v) {
     const float yv = READS_Y ? static_cast<float>(y[v]) : 0.f;
-    g[v] = static_cast<T>(grad_scalar<MODE>(read(v), yv, k));
+    const float before = ADD ? static_cast<float>(g[v]) : 0.f;
+    g[v] = static_cast<T>(before + grad_scalar<MODE>(read(v), yv, k));
   }
   const float yl = READS_Y ? static_cast<float>(y[label]) : 0.f;
-  g[label] = static_cast<T>(k.label + grad_scalar<MODE>(read(label), yl, k));
+  g[label] = static_cast<T>(g_label + k.label + grad_scalar<MODE>(read(label), yl, k));
+}
+
+// backward_row from the forward's exponentials (the fused loss, loss_forward.cpp): p = e[v] * scale[b * kW + l]
+// for element v in lane l of block b (block_len elements each), scale = exp(frame / T - lse) of that block's lane
+// frame (ExpCache, row_forward.h), so the gradient pass computes no exponential per element; log p (for the
+// p_logp / p_logq terms) is formed from x and lse as in backward_row. e and scale are padded to whole vectors.
+template <typename T, typename R, int MODE>
+inline void backward_row_cached(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k,
+                                const float* e, const float* scale, int64_t block_len) {
+  const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq);
+  const Vec nA(-k.p), lowest(kLowest);
+  auto grad_vec = [&](const Vec& p, const Vec& xraw, const Vec& yraw) -> Vec {
+    if constexpr (MODE == 0) {
+      return p * nA;
+    } else {
+      Vec c = vA;
+      if constexpr (MODE & kPLogp) {
+        const Vec xv = at::vec::clamp_min(xraw, lowest);
+        c = at::vec::fmadd(vB, vfma(xv, vlo, vfma(xv, vhi, nlse)), c);
+      }
+      if constexpr (MODE & kPLogq) {
+        const Vec yv = at::vec::clamp_min(yraw, lowest);
+        c = at::vec::fmadd(vC, vfma(yv, vlo, vfma(yv, vhi, nrlse)), c);
+      }
+      return neg_mul_where_pos(p, c);
+    }
+  };
+  auto grad_one = [&](int64_t v, float p) -> float {  // the same for one element
+    if constexpr (MODE == 0) {
+      return -p * k.p;
+    } else {
+      float c = k.p;
+      if constexpr (MODE & kPLogp) {
+        const float xv = std::max(static_cast<float>(x[v]), kLowest);
+        c = std::fma(k.p_logp, std::fma(xv, k.lo, std::fma(xv, k.hi, -k.lse)), c);
+      }
+      if constexpr (MODE & kPLogq) {
+        const float yv = std::max(static_cast<float>(y[v]), kLowest);
+        c = std::fma(k.p_logq, std::fma(yv, k.lo, std::fma(yv, k.hi, -k.rlse)), c);
+      }
+      return p == 0.f ? 0.f : -p * c;
+    }
+  };
+  // The forward's blocks: block_len elements up to the last whole vector, then the tail's own block. The row's
+  // gradient is written with streaming stores where the row is aligned for them (stream_f2).
+  const Vec zero(0.f);
+  const int64_t whole = V / kW * kW;
+  const bool stream = streamable(g);
+  for (int64_t start = 0, b = 0; start < V; ++b) {
+    const int64_t end = start < whole ? std::min(start + block_len, whole) : V;
+    const Vec sc = Vec::loadu(scale + b * kW);
+    int64_t v = start;
+    for (; v + 2 * kW <= end; v += 2 * kW) {
+      Vec x0 = zero, x1 = zero, y0 = zero, y1 = zero;
+      if constexpr (MODE & kPLogp) load_f2(x + v, x0, x1);
+      if constexpr (MODE & kPLogq) load_f2(y + v, y0, y1);
+      const Vec g0 = grad_vec(Vec::loadu(e + v) * sc, x0, y0), g1 = grad_vec(Vec::loadu(e + v + kW) * sc, x1, y1);
+      if (stream) {
+        stream_f2(g + v, g0, g1);
+      } else {
+        store_f2(g + v, g0, g1);
+      }
+    }
+    for (; v < end; ++v) g[v] = static_cast<T>(grad_one(v, e[v] * scale[b * kW + (v - start) % kW]));
+    start = end;
+  }
+  const float yl = (MODE & kPLogq) ? static_cast<float>(y[label]) : 0.f;
+  g[label] = static_cast<T>(k.label + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
 }
 
 // A zero gradient row (a skipped row, or one without a finite lse).

@@ -74,9 +74,10 @@ struct LaneState {
   explicit LaneState(float inv)
       : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv(inv) {}
 
-  // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf).
-  template <typename LX, typename LY>
-  inline void block(int64_t nv, const LX& ldx, const LY& ldy) {
+  // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf). keep(i, e) receives the
+  // policy's exponentials of vector i (relative to the block's frame mix), for a caller that reuses them.
+  template <typename LX, typename LY, typename KEEP>
+  inline void block(int64_t nv, const LX& ldx, const LY& ldy, const KEEP& keep) {
     const Vec ninf(-kInf), zero(0.f);
     Vec bx = ninf, by = ninf;
     for (int64_t i = 0; i < nv; ++i) {
@@ -117,6 +118,7 @@ struct LaneState {
     auto step = [&](int64_t i, int j) {
       const Vec zx = (ldx(i) - mix) * vinv;
       const Vec ex = vexpz(zx);
+      keep(i, ex);
       bs[j] = bs[j] + ex;
       Vec zxc;
       if constexpr (ENT || KL) {
@@ -146,6 +148,19 @@ struct LaneState {
     if constexpr (KL) u = u + (bu[0] + bu[1]);
     if constexpr (FKL) v = v + (bv[0] + bv[1]);
   }
+};
+
+// The exponentials of a row's forward kept for its gradient pass (the fused loss, loss_forward.cpp), so that
+// each element's exponential is computed once: e[v] = exp((x_v - frame) / T) with frame the running max of v's
+// lane when v's block was folded, frames[b * kW + l] that frame for block b (of kBlockVecs vectors) and lane l.
+// e holds the padded vocabulary (a multiple of kW); the tail block is the last one.
+struct ExpCache {
+  float* e;
+  float* frames;
+};
+
+struct NoKeep {
+  inline void operator()(int64_t, const Vec&) const {}
 };
 
 struct Combined {
@@ -185,26 +200,33 @@ inline Combined combine_lanes(const float* m, const float* mi, const float* s, c
 // results in natural units.
 // FLOOR (the truncation family, truncation.h): the logits below `floor` are read as -inf, so the statistics are
 // those of the row restricted to {x >= floor}; floor = -inf reads every logit as it is.
+// cache: where to keep the policy's exponentials (ExpCache), or nullptr.
 template <typename T, typename R, int MODE, bool FLOOR = false>
 inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo,
-                          float floor = -kInf) {
+                          float floor = -kInf, const ExpCache* cache = nullptr) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
   const Vec vfloor(floor), vninf(-kInf);
   const double c = (static_cast<double>(hi) + lo) / kZUnit;
   LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
-  for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs) {
+  int64_t b = 0;
+  for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs, ++b) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
     const T* px = x + v0 * kW;
     const R* py = REF ? y + v0 * kW : nullptr;
-    st.block(
-        nv,
-        [px, &vfloor, &vninf](int64_t i) {
-          const Vec v = load_f(px + i * kW);
-          if constexpr (FLOOR) return Vec::blendv(v, vninf, v < vfloor);
-          return v;
-        },
-        [py](int64_t i) { return load_f(py + i * kW); });
+    auto ldx = [px, &vfloor, &vninf](int64_t i) {
+      const Vec v = load_f(px + i * kW);
+      if constexpr (FLOOR) return Vec::blendv(v, vninf, v < vfloor);
+      return v;
+    };
+    auto ldy = [py](int64_t i) { return load_f(py + i * kW); };
+    if (cache) {
+      float* e = cache->e + v0 * kW;
+      st.block(nv, ldx, ldy, [e](int64_t i, const Vec& ex) { ex.store(e + i * kW); });
+      st.mix.store(cache->frames + b * kW);
+    } else {
+      st.block(nv, ldx, ldy, NoKeep{});
+    }
   }
   if (rem) {
     alignas(64) float bx[kW], by[kW];
@@ -213,8 +235,15 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
       if (FLOOR && bx[l] < floor) bx[l] = -kInf;
       by[l] = (REF && l < rem) ? static_cast<float>(y[nvec * kW + l]) : -kInf;
     }
-    st.block(
-        1, [&bx](int64_t) { return Vec::loadu(bx); }, [&by](int64_t) { return Vec::loadu(by); });
+    auto ldx = [&bx](int64_t) { return Vec::loadu(bx); };
+    auto ldy = [&by](int64_t) { return Vec::loadu(by); };
+    if (cache) {
+      float* e = cache->e + nvec * kW;
+      st.block(1, ldx, ldy, [e](int64_t, const Vec& ex) { ex.store(e); });
+      st.mix.store(cache->frames + b * kW);
+    } else {
+      st.block(1, ldx, ldy, NoKeep{});
+    }
   }
 
   alignas(64) float amx[kW], amix[kW], asx[kW], atx[kW];

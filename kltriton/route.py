@@ -119,21 +119,25 @@ def loss_route(logits, ref, loss_type: str, whole_sequences: bool, vocab_shard) 
 
 
 def fused_loss(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator: str, entropy_grad: bool,
-               backend_name: Optional[str]):
-    """``(loss, StreamStats)`` of the ``loss`` family, the gradient written in the forward: tensors through
-    ``ops.loss.loss_forward``, a ``LinearLogits`` policy through ``ops.loss.linear_loss_forward`` (only what
-    requires grad gets a gradient)."""
+               backend_name: Optional[str], with_entropy: bool = True, entropy_quantile: Optional[float] = None):
+    """``(loss, StreamStats, threshold)`` of the ``loss`` family, the gradient written in the forward: tensors
+    through ``ops.loss.loss_forward``, a ``LinearLogits`` policy through ``ops.loss.linear_loss_forward`` (only
+    what requires grad gets a gradient). ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile,
+    else NaN)."""
+    quantile = None if entropy_quantile is None else torch.ones((), dtype=torch.float64,
+                                                                device=target.device) * entropy_quantile
     if is_linear(logits):
         policy, ref, tile = linear_sides(logits, ref_logits)
         want = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in policy[:3]]
         out = loss.linear_loss_forward(*policy, *ref, target, temperature, *inputs, hp, loss_type, estimator,
-                                       entropy_grad, *want, tile, backend(backend_name, logits, ref_logits))
-        return out[0], StreamStats(*out[1:-3])
+                                       entropy_grad, *want, tile, with_entropy, quantile,
+                                       backend(backend_name, logits, ref_logits))
+        return out[0], StreamStats(*out[1:-4]), out[-4]
     name = backend(backend_name, logits, family_name="loss")
     with_grad = torch.is_grad_enabled() and logits.requires_grad
     out = loss.loss_forward(logits, ref_logits, target, temperature, *inputs, hp, loss_type, estimator, entropy_grad,
-                            with_grad, name)
-    return out[0], StreamStats(*out[1:-1])
+                            with_grad, with_entropy, quantile, name)
+    return out[0], StreamStats(*out[1:-2]), out[-2]
 
 
 def truncated_statistics(logits, target, temperature, truncation, layout, wanted: int, backend_name: Optional[str],

@@ -1,9 +1,10 @@
-"""Drop-ins for torchrl's LLM KL transforms and KL controllers, computed with kltriton's kernels.
+"""Drop-ins for torchrl's LLM KL transforms, KL controllers and GRPO losses, computed with kltriton's kernels.
 
 Change ``from torchrl.envs.llm.transforms.kl import KLComputation, RetrieveKL, KLRewardTransform``
-(and ``from torchrl.data.llm.utils import AdaptiveKLController``) to
-``from kltriton.adapters.torchrl import ...``: same constructor arguments, keys, output layouts and
-construction errors (tested against torchrl 0.13 and 0.14). ``use_ray_service=True`` returns the
+(and ``from torchrl.data.llm.utils import AdaptiveKLController``, ``from torchrl.objectives.llm import GRPOLoss,
+DAPO, CISPOLoss``) to ``from kltriton.adapters.torchrl import ...``: same constructor arguments, keys, output
+layouts and construction errors (tested against torchrl 0.13 and 0.14; the losses against 0.14,
+``torchrl_losses.py``). ``use_ray_service=True`` returns the
 Ray variant (``kltriton.adapters.torchrl_ray``, needs ``pip install kltriton[ray]``).
 
 Only torchrl's public API is used: a model's logits come from its ``get_dist(...).logits``.
@@ -39,7 +40,8 @@ ATTENTION_MASK = ("masks", "all_attention_mask")
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 PADDING_SIDES = ("left", "right")
 
-__all__ = ["AdaptiveKLController", "ConstantKLController", "KLComputation", "KLRewardTransform", "RetrieveKL"]
+__all__ = ["AdaptiveKLController", "CISPOLoss", "ConstantKLController", "DAPO", "GRPOLoss", "KLComputation",
+           "KLRewardTransform", "RetrieveKL"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,3 +704,7 @@ class ConstantKLController:
 
     def update(self, kl_values=None) -> float:
         return self.coef
+
+
+# The GRPO loss family (torchrl.objectives.llm) lives in its own module.
+from kltriton.adapters.torchrl_losses import CISPOLoss, DAPO, GRPOLoss  # noqa: E402

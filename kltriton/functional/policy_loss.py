@@ -1,12 +1,16 @@
-"""``policy_loss``: the PPO / GRPO / DAPO / CISPO / GSPO policy loss straight from the logits.
+"""``policy_loss``: every policy loss of verl 0.9.1's registry and of TRL 1.16's ``GRPOConfig.loss_type``,
+straight from the logits.
 
-``kltriton.route.loss_route`` picks the route. Fused (token-level losses, ``ppo`` and ``cispo``): the ``loss``
-family as a custom op (``kltriton.ops.loss``) computes every row's statistics and writes the loss's gradient
-w.r.t. the logits (or a ``LinearLogits`` policy's hidden states / weight / bias) in the forward; the C++ and
-Triton kernels read each row from memory once for both, and the backward only applies the upstream gradient.
-Two-pass (``gspo``, on-policy rollout importance sampling, vocab-parallel logits): the differentiable
-statistics, the formulas of ``kltriton.kernels.loss.terms`` in PyTorch, and autograd (the logits are read
-again in the backward).
+``kltriton.route.loss_route`` picks the route. Fused (a loss whose derivative w.r.t. a row's log-prob depends on
+that row alone, ``terms.FUSED``, at the token level): the ``loss`` family as a custom op (``kltriton.ops.loss``)
+computes every row's statistics and writes the loss's gradient w.r.t. the logits (or a ``LinearLogits``
+policy's hidden states / weight / bias) in the forward; the C++ and Triton kernels read each row from memory
+once for both, and the backward only applies the upstream gradient. With ``token_mask_entropy_quantile`` the
+fused route takes two passes (``kltriton.kernels.loss.masked``): the fused kernel without the masked terms,
+the batch quantile of the entropies, then the masked terms' gradient added on the kept rows only.
+Two-pass (sequence-level ratios and weights, batch selections, on-policy rollout importance sampling,
+vocab-parallel logits): the differentiable statistics, the formulas of ``kltriton.kernels.loss.terms`` in
+PyTorch, and autograd (the logits are read again in the backward).
 """
 from typing import NamedTuple, Optional
 
@@ -22,15 +26,16 @@ from kltriton.truncation import check_truncation
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_LEVELS = ("token", "sequence")
 
 
 class PolicyLossOutput(NamedTuple):
     loss: torch.Tensor          # [] the loss (differentiable w.r.t. the policy logits)
     logprobs: torch.Tensor      # S fp32 (detached)
     ref_logprobs: torch.Tensor  # S fp32, 0 without a reference
-    kl: torch.Tensor            # S fp32, the KL estimator's value, 0 without a reference
-    entropy: torch.Tensor       # S fp32
-    ratio: torch.Tensor         # S fp32, the importance ratio (per sequence for gspo)
+    kl: torch.Tensor            # S fp32, the KL term (times the ratio with use_bias_correction_kl), 0 without a reference
+    entropy: torch.Tensor       # S fp32 (0 with compute_entropy=False)
+    ratio: torch.Tensor         # S fp32, the importance ratio (per sequence for sequence-level losses)
     metrics: dict               # name -> 0-dim fp32 tensor
 
 
@@ -50,20 +55,53 @@ def _check_per_token(name, tensor, shape, device, allow_none=True):
     return tensor.detach().reshape(-1)
 
 
+def _per_token_or_sequence(name, tensor, shape, device, num_seqs, seq_index, acc):
+    """``[N]`` from a tensor of shape ``S``, ``[num_seqs]``, or ``[B, 1]`` for ``S = [B, T]`` (TRL's sequence-level
+    shape)."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor of shape S or [num_seqs]")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor.detach().reshape(-1).to(acc)
+    if tensor.dim() == 1 and tensor.shape[0] == num_seqs:
+        return tensor.detach().to(acc)[seq_index]
+    if len(shape) == 2 and tuple(tensor.shape) == (shape[0], 1):
+        return tensor.detach().expand(shape).reshape(-1).to(acc)
+    raise ValueError(f"{name} must have shape {tuple(shape)} or [num_seqs] = [{num_seqs}], got {tuple(tensor.shape)}")
+
+
+def _denominator(name, value, device):
+    """A user-given aggregation denominator (verl's ``batch_num_tokens`` / ``global_batch_size``): a positive
+    python number or a 0-dim tensor (no host read), as float64; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return runtime_scalar(check_float(name, value, above=0.0), device)
+
+
+def _names_of(formula):
+    return tuple(name for name, spec in terms.LOSS_TYPES.items() if spec.formula == formula)
+
+
 # --- sequence-level weights ---------------------------------------------------------------------
 
-def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype):
-    """``[N]`` weights with ``agg(x) = sum_n w[n] * x[n]`` (verl ``agg_loss``, single process)."""
+def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype, num_tokens=None, num_seqs_agg=None):
+    """``[N]`` weights with ``agg(x) = sum_n w[n] * x[n]`` (verl ``agg_loss``): ``num_tokens`` / ``num_seqs_agg``
+    replace the token-mean / seq-mean denominators (verl's ``batch_num_tokens`` / ``global_batch_size``)."""
     valid = scored.to(dtype)
     if aggregation == "token-sum":
         return valid
     if aggregation == "token-mean":
-        return valid / valid.sum().clamp(min=1)
+        return valid / (valid.sum().clamp(min=1) if num_tokens is None else num_tokens.to(dtype))
     counts = torch.zeros(num_seqs, dtype=dtype, device=valid.device).index_add_(0, seq_index, valid)
-    nonempty = (counts > 0).to(dtype).sum().clamp(min=1)
+    sequences = (counts > 0).to(dtype).sum().clamp(min=1) if num_seqs_agg is None else num_seqs_agg.to(dtype)
     if aggregation == "seq-mean-token-mean":
-        return valid / counts.clamp(min=1)[seq_index] / nonempty
-    weights = valid / nonempty
+        return valid / counts.clamp(min=1)[seq_index] / sequences
+    weights = valid / sequences
     return weights / horizon if aggregation == "seq-mean-token-sum-norm" else weights
 
 
@@ -76,23 +114,43 @@ def _default_horizon(layout, cu_seqlens, n, device):
     return runtime_scalar(max(n, 1), device)
 
 
-def _importance_weights(old, rollout, is_mode, is_cap, scored, seq_index, num_seqs):
+def _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs):
     """``(weights, masked, log_ratio)`` of rollout importance sampling (TRL's vLLM correction): the ratio
-    ``exp(old - rollout)`` per token or per sequence, truncated at ``is_cap`` or zeroed above it."""
+    ``exp(old - rollout)`` per token or per sequence, clamped to ``[is_min, is_cap]`` or zeroed outside it."""
     diff = torch.where(scored & ~torch.isnan(old - rollout), old - rollout, torch.zeros_like(old))
     log_w = diff
     if is_mode is not None and is_mode.startswith("sequence"):
         per_seq = torch.zeros(num_seqs, dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)
         log_w = per_seq[seq_index]
     w = torch.exp(log_w)
-    over = (w > is_cap) & scored
+    high = float("inf") if is_cap is None else is_cap
+    low = float("-inf") if is_min is None else is_min
+    outside = ((w > high) | (w < low)) & scored
     if is_mode is None:
         weights = torch.ones_like(w)
     elif is_mode.endswith("truncate"):
-        weights = torch.clamp(w, max=is_cap)
+        weights = torch.clamp(w, min=is_min, max=is_cap)
     else:
-        weights = torch.where(w > is_cap, torch.zeros_like(w), w)
-    return weights, over, diff
+        weights = torch.where((w > high) | (w < low), torch.zeros_like(w), w)
+    return weights, outside, diff
+
+
+def _off_policy_keep(adv, logp, sampling, threshold, scored, seq_index, num_seqs):
+    """TRL's off-policy sequence mask (DeepSeek-V3.2): keep a token when its advantage is ``>= 0`` or its sequence's
+    mean ``sampling - logp`` (NaN counted as 0) is at most ``threshold``."""
+    kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
+    zeros = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device)
+    total = zeros.index_add(0, seq_index, torch.where(scored, kl, torch.zeros_like(kl)))
+    count = zeros.index_add(0, seq_index, scored.to(kl.dtype)).clamp(min=1)
+    return (adv >= 0) | ((total / count)[seq_index] <= threshold)
+
+
+def _geometric_mean_per_sequence(weights, scored, seq_index, num_seqs):
+    """verl geo_mean's reading of token IS weights: ``exp(mean over the sequence of log(w + 1e-10))``."""
+    logs = torch.where(scored, torch.log(weights + 1e-10), torch.zeros_like(weights))
+    zeros = torch.zeros(num_seqs, dtype=weights.dtype, device=weights.device)
+    count = zeros.index_add(0, seq_index, scored.to(weights.dtype)).clamp(min=1)
+    return torch.exp(zeros.index_add(0, seq_index, logs) / count)[seq_index]
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -108,12 +166,12 @@ def _masked_extreme(values, scored, reduce, neutral):
     return reduce(torch.cat([torch.where(scored, values, fill), fill]))
 
 
-def _metrics(token, scored, entropy, is_info):
+def _metrics(token, scored, entropy, is_info, parts, extra):
     count = scored.float().sum().clamp(min=1)
     any_scored = scored.any()
     zero = torch.zeros((), dtype=torch.float32, device=scored.device)
     ratio = token.ratio.float()
-    log_ratio = token.log_ratio.float()  # clamped to [-20, 20] except for gspo, as in verl
+    log_ratio = token.log_ratio.float()
     metrics = {
         "clipfrac": _masked_mean(token.clipped.float(), scored, count),
         "clipfrac_lower": _masked_mean(token.clipped_lower.float(), scored, count),
@@ -128,6 +186,8 @@ def _metrics(token, scored, entropy, is_info):
         metrics["is_weight_mean"] = _masked_mean(weights.float(), scored, count)
         metrics["is_masked_frac"] = _masked_mean(over.float(), scored, count)
         metrics["mismatch_k3"] = _masked_mean((torch.expm1(diff) - diff).float(), scored, count)
+    metrics.update({name: value.float() for name, value in parts.items()})
+    metrics.update(extra)
     return {k: v.detach() for k, v in metrics.items()}
 
 
@@ -165,8 +225,8 @@ def policy_loss(
     entropy_coef: float = 0.0,
     rollout_logprobs: Optional[torch.Tensor] = None,
     is_mode: Optional[str] = None,
-    is_cap: float = 2.0,
-    aggregation: str = "token-mean",
+    is_cap: Optional[float] = 2.0,
+    aggregation: Optional[str] = None,
     horizon=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
@@ -176,30 +236,72 @@ def policy_loss(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    importance_sampling_level: str = "token",
+    use_bias_correction_kl: bool = False,
+    token_mask_entropy_quantile: Optional[float] = None,
+    off_policy_mask_threshold: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    is_min: Optional[float] = None,
+    entropy_aggregation: Optional[str] = None,
+    pg_aggregation: Optional[str] = None,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    compute_entropy: bool = True,
     truncation=None,
+    **loss_parameters,
 ) -> PolicyLossOutput:
-    """The policy loss ``agg(pg * is_weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
+    """The policy loss ``agg(pg * weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
     Args:
         logits: policy logits ``[..., V]`` (``S = logits.shape[:-1]``, as ``token_logprobs``), or a
             ``kltriton.LinearLogits`` (hidden states and an LM head: the gradients w.r.t. hidden / weight /
-            bias are produced in the forward too, per GEMM tile).
+            bias are produced in the forward too, per GEMM tile; an LM head that does not require grad gets none).
         labels, temperature, ignore_index, mask, cu_seqlens, shift_labels, backend: as in ``token_logprobs``.
         advantages: ``S`` (per token) or ``[num_seqs]`` (per sequence: rows of ``[B, T]``, segments of
             ``cu_seqlens``, or one for a flat ``[N]``).
         old_logprobs: ``S`` log-probs of the policy that sampled; ``None``: on-policy (ratio 1, live gradient).
         ref: reference logits (same shape as ``logits``, read in the same pass) or log-probs ``S``.
-        loss_type: ``"ppo"`` (verl vanilla: ``clip_low``, ``clip_high`` (default ``clip_low``) and the dual
-            clip ``dual_clip=c > 1`` for negative advantages; GRPO / DAPO are this), ``"gspo"``, ``"cispo"``.
+        loss_type: a policy loss of verl 0.9.1's registry (``"vanilla"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"gspo"``,
+            ``"sapo"``, ``"gpg"``, ``"clip_cov"``, ``"kl_cov"``, ``"geo_mean"``, ``"dro"``, ``"cispo"``,
+            ``"bypass_mode"``) or a TRL 1.16 ``loss_type`` (``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``,
+            ``"cispo"``, ``"sapo"``, ``"luspo"``, ``"vespo"``), or ``"ppo"`` (= ``"vanilla"``): formulas, sources
+            and parameters in ``docs/api/losses.md``. ``clip_low`` / ``clip_high`` (default ``clip_low``) are
+            verl's ``clip_ratio_low`` / ``_high`` (TRL's ``epsilon`` / ``epsilon_high``); ``dual_clip=c > 1`` is
+            verl's ``clip_ratio_c`` of the PPO formula.
+        **loss_parameters: the loss type's own parameters under their upstream names (``delta``, ``tau_pos`` /
+            ``sapo_temperature_pos``, ``tau_neg``, ``clip_ratio_c`` (DPPO), ``dro_beta``, ``clip_cov_ratio``,
+            ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``vespo_k_pos``, ...,
+            ``bypass_loss_type``); a keyword the loss type does not take is a ``TypeError``.
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (TRL: the ratio of a sequence is the exp of the
+            mean log-ratio of its scored tokens, for every token of it; two-pass).
         kl_coef, kl_estimator, kl_clamp: the KL penalty (estimators of ``token_kl``, and verl's
             straight-through ``"k3+"``-style names); needs ``ref`` when ``kl_coef != 0``.
-        entropy_coef: weight of the entropy bonus (subtracted).
-        rollout_logprobs, is_mode, is_cap: rollout importance sampling (``"token_truncate"``,
-            ``"token_mask"``, ``"sequence_truncate"``, ``"sequence_mask"``; TRL's names) with weights
-            ``exp(old - rollout)`` (summed over the sequence for ``sequence_*``) truncated at ``is_cap``
-            or zeroed above it. Without ``is_mode`` the mismatch is only reported in the metrics.
-        aggregation: verl ``agg_loss`` mode; ``horizon`` divides ``"seq-mean-token-sum-norm"`` (default:
-            the padded length ``T``, the longest packed segment, or ``N``).
+        use_bias_correction_kl: multiply the KL term by the importance ratio (TRL, DeepSeek-V3.2).
+        entropy_coef: weight of the entropy bonus (subtracted). ``entropy_aggregation``: its aggregation over the
+            local tokens (TRL: ``"token-mean"``); default the policy term's, with its denominators (verl).
+        token_mask_entropy_quantile: ``q`` keeps the policy-gradient term (and the entropy bonus, as TRL) on the
+            scored tokens whose entropy is at least the ``q`` quantile of the batch's scored entropies (TRL's
+            ``top_entropy_quantile = 1 - q``). Fused: two passes over the logits, the second over the kept
+            rows only.
+        off_policy_mask_threshold: TRL's off-policy sequence mask: drops the policy term of a token with a
+            negative advantage whose sequence's mean ``sampling - logp`` exceeds it (``sampling``:
+            ``rollout_logprobs``, else ``old_logprobs``); two-pass.
+        rollout_logprobs, is_mode, is_cap, is_min: rollout importance sampling (``"token_truncate"``,
+            ``"token_mask"``, ``"sequence_truncate"``, ``"sequence_mask"``; TRL's names, ``is_cap`` /
+            ``is_min`` its ``vllm_importance_sampling_clip_max`` / ``_min``) with weights ``exp(old - rollout)``
+            (summed over the sequence for ``sequence_*``) clamped to ``[is_min, is_cap]`` or zeroed outside.
+            Without ``is_mode`` the mismatch is only reported in the metrics.
+        rollout_is_weights: precomputed importance weights (verl's ``rollout_is_weights``, TRL's
+            ``importance_sampling_ratio``): ``S``, ``[num_seqs]`` or ``[B, 1]``, multiply the policy term (VESPO:
+            enter its sequence weight; geo_mean: as their per-sequence geometric mean, as verl).
+        aggregation: verl ``agg_loss`` mode (default: the loss type's, ``docs/api/losses.md``) of every term;
+            ``pg_aggregation`` another one for the policy term alone (verl's ``sapo`` and ``geo_mean`` fix theirs,
+            while its KL and entropy terms follow ``loss_agg_mode``; ``geo_mean``'s is over the local sequences,
+            as verl's ``torch.mean``); ``horizon``
+            divides ``"seq-mean-token-sum-norm"`` (verl's ``loss_scale_factor``; default the padded length ``T``,
+            the longest packed segment, or ``N``); ``batch_num_tokens`` / ``global_batch_size`` replace the
+            token-mean / seq-mean denominators (verl's ``global_batch_info``; numbers or 0-dim tensors).
+        compute_entropy: False skips the entropy (its output and ``entropy_mean`` are 0); needs no entropy term.
         process_group, vocab_start: vocab-parallel logits or ``LinearLogits`` weight shards (and the
             reference's), as in ``token_kl``: every rank gets the global loss and the gradient of its shard
             (the two-pass route).
@@ -212,30 +314,68 @@ def policy_loss(
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
         the others fp32 ``S`` (0 where not scored, detached), ``metrics`` 0-dim tensors: ``clipfrac``,
-        ``clipfrac_lower``, ``ppo_kl``, ``kl_mean``, ``entropy_mean``, ``ratio_max``, ``ratio_min`` and, with
-        ``rollout_logprobs``, ``is_weight_mean``, ``is_masked_frac``, ``mismatch_k3``.
+        ``clipfrac_lower``, ``ppo_kl`` (verl's flags of the loss type), ``kl_mean``, ``entropy_mean``,
+        ``ratio_max``, ``ratio_min``, ``pg_loss``, ``kl_loss``, ``entropy_loss`` (the aggregated terms, before
+        their coefficients), with ``rollout_logprobs``: ``is_weight_mean``, ``is_masked_frac``, ``mismatch_k3``;
+        with the entropy mask ``entropy_threshold``; with VESPO ``vespo_phi_mean``.
     """
     if not is_linear(logits):
         check_logits(logits)
     device, shape = logits.device, logits.shape[:-1]
-    if loss_type not in terms.LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {terms.LOSS_TYPES}, got {loss_type!r}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    spec = terms.loss_type_of(loss_type)
+    params = terms.loss_parameters(loss_type, loss_parameters)
+    aggregation = spec.aggregation if aggregation is None else aggregation
+    for name, value in (("aggregation", aggregation), ("entropy_aggregation", entropy_aggregation),
+                        ("pg_aggregation", pg_aggregation)):
+        if value is not None and value not in AGGREGATIONS:
+            raise ValueError(f"{name} must be one of {AGGREGATIONS}, got {value!r}")
     if is_mode is not None and is_mode not in IS_MODES:
         raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
     if is_mode is not None and rollout_logprobs is None:
         raise ValueError(f"is_mode={is_mode!r} needs rollout_logprobs")
+    if importance_sampling_level not in IS_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {importance_sampling_level!r}")
+    sequence_level = importance_sampling_level == "sequence"
+    if sequence_level and not spec.sequence_level:
+        raise ValueError(f"importance_sampling_level='sequence' applies to the loss types with a TRL counterpart "
+                         f"({tuple(k for k, v in terms.LOSS_TYPES.items() if v.sequence_level)}), not {loss_type!r}")
+    formula = spec.formula
     clip_low = check_float("clip_low", clip_low, at_least=0.0)
-    clip_high = clip_low if clip_high is None else check_float("clip_high", clip_high, at_least=0.0)
+    # CISPO's upper bound may lie below 1: TRL caps the ratio at epsilon_high itself (clip_high = epsilon_high - 1)
+    clip_high = clip_low if clip_high is None else check_float(
+        "clip_high", clip_high, **({"above": -1.0} if formula == "cispo" else {"at_least": 0.0}))
     dual_clip = check_float("dual_clip", dual_clip, above=1.0, allow_none=True)
-    if dual_clip is not None and loss_type != "ppo":
-        raise ValueError(f"dual_clip applies to loss_type='ppo' only, got loss_type={loss_type!r}")
     kl_coef = check_float("kl_coef", kl_coef)
     entropy_coef = check_float("entropy_coef", entropy_coef)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
-    is_cap = check_float("is_cap", is_cap, above=0.0)
+    is_cap = check_float("is_cap", is_cap, above=0.0, allow_none=True)
+    is_min = check_float("is_min", is_min, at_least=0.0, allow_none=True)
+    if is_mode is not None and is_mode.endswith("truncate") and is_cap is None and is_min is None:
+        raise ValueError(f"is_mode={is_mode!r} needs is_cap or is_min")
     horizon = check_float("horizon", horizon, above=0.0, allow_none=True)
+    quantile = check_float("token_mask_entropy_quantile", token_mask_entropy_quantile, at_least=0.0,
+                           allow_none=True)
+    if quantile is not None and quantile > 1.0:
+        raise ValueError(f"token_mask_entropy_quantile must be in [0, 1], got {quantile}")
+    off_policy = check_float("off_policy_mask_threshold", off_policy_mask_threshold, allow_none=True)
+    if not compute_entropy and (entropy_coef != 0.0 or quantile is not None):
+        raise ValueError("compute_entropy=False leaves no entropy for entropy_coef or token_mask_entropy_quantile")
+    num_tokens = _denominator("batch_num_tokens", batch_num_tokens, device)
+    num_seqs_agg = _denominator("global_batch_size", global_batch_size, device)
+
+    # verl's bypass mode: the old policy is the rollout's; PPO on that ratio, or REINFORCE with on-policy IS weights
+    if formula == "bypass_mode":
+        if rollout_logprobs is None:
+            raise ValueError("loss_type='bypass_mode' needs rollout_logprobs (the old policy is the rollout's)")
+        if old_logprobs is not None:
+            raise ValueError("loss_type='bypass_mode' takes rollout_logprobs as the old log-probs; leave "
+                             "old_logprobs None")
+        if params["bypass_loss_type"] == "ppo_clip":
+            formula, old_logprobs, rollout_logprobs, is_mode = "ppo", rollout_logprobs, None, None
+        else:
+            formula = "gpg"
+    if dual_clip is not None and formula != "ppo":
+        raise ValueError(f"dual_clip applies to the PPO formula ({_names_of('ppo')}), got loss_type={loss_type!r}")
 
     with_ref_logits = ref is not None and ref_is_logits(logits, ref)
     if ref is None and kl_coef != 0.0:
@@ -254,63 +394,118 @@ def policy_loss(
 
     if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
         raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
-    if advantages.device != device:
-        raise ValueError(f"advantages is on {advantages.device} but logits are on {device}")
-    if tuple(advantages.shape) == tuple(shape):
-        adv = advantages.detach().reshape(-1).to(acc)
-    elif advantages.dim() == 1 and advantages.shape[0] == num_seqs:
-        adv = advantages.detach().to(acc)[seq_index]
-    else:
-        raise ValueError(f"advantages must have shape {tuple(shape)} or [num_seqs] = [{num_seqs}], "
-                         f"got {tuple(advantages.shape)}")
+    per_sequence_advantages = tuple(advantages.shape) != tuple(shape)
+    adv = _per_token_or_sequence("advantages", advantages, shape, device, num_seqs, seq_index, acc)
     old = _check_per_token("old_logprobs", old_logprobs, shape, device)
     old = None if old is None else old.to(acc)
     rollout = _check_per_token("rollout_logprobs", rollout_logprobs, shape, device)
+    rollout = None if rollout is None else rollout.to(acc)
+    given_is = None if rollout_is_weights is None else _per_token_or_sequence(
+        "rollout_is_weights", rollout_is_weights, shape, device, num_seqs, seq_index, acc)
     ref_logp_given = None if ref is None or with_ref_logits else _check_per_token("ref", ref, shape, device).to(acc)
 
     scored = target != SKIP
+    if num_seqs_agg is None and spec.all_sequences:  # TRL's .mean() over the sequences, empty ones included
+        num_seqs_agg = runtime_scalar(max(num_seqs, 1), device)
     if ref_logp_given is not None:  # like every per-token output: 0 where not scored
         ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
-    agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
     hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
                                ratio_high=runtime_scalar(1.0 + clip_high, device),
-                               dual_clip=runtime_scalar(dual_clip if dual_clip is not None else float("inf"), device),
-                               kl_clamp=runtime_scalar(kl_clamp if kl_clamp is not None else float("inf"), device))
+                               dual_clip=None if dual_clip is None else runtime_scalar(dual_clip, device),
+                               kl_clamp=None if kl_clamp is None else runtime_scalar(kl_clamp, device),
+                               kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
+                               **{name: runtime_scalar(value, device) for name, value in params.items()
+                                  if isinstance(value, float)})
+
+    def aggregation_weights(rows):
+        """``(every term's, the policy term's)`` ``[N]`` aggregation weights over ``rows``."""
+        agg = _aggregation_weights(aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                   num_seqs_agg)
+        if pg_aggregation is None:
+            return agg, agg
+        return agg, _aggregation_weights(pg_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc,
+                                         num_tokens, runtime_scalar(max(num_seqs, 1), device)
+                                         if formula == "geo_mean" else num_seqs_agg)
+
+    agg_w, agg_pg = aggregation_weights(scored)
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
-    w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
     full = estimator is not None and estimator.needs_ref_logits
 
-    is_info = None
-    fused = truncation is None and route.loss_route(logits, ref, loss_type, old is None and rollout is not None,
-                                                    shard) == "fused"
-    outside = None
+    # Per-row policy-term weights known before the logits are read: the given IS weights (VESPO reads them inside
+    # its sequence weight; geo_mean as their per-sequence geometric mean).
+    pg_weight = torch.ones_like(agg_pg)
+    log_is = None
+    if given_is is not None:
+        if formula == "vespo":
+            log_is = torch.log(given_is)
+        elif formula == "geo_mean":
+            pg_weight = _geometric_mean_per_sequence(given_is, scored, seq_index, num_seqs)
+        else:
+            pg_weight = given_is
+
+    on_policy_is = old is None and rollout is not None
+    whole_sequences = (sequence_level or on_policy_is or off_policy is not None
+                       or (quantile is not None and entropy_coef != 0.0))
+    fused = truncation is None and route.loss_route(logits, ref, formula, whole_sequences, shard) == "fused"
+    minus_entropy_coef = runtime_scalar(-entropy_coef, device).to(acc)
+
+    def entropy_aggregation_weights(keep):
+        """The entropy bonus's ``[N]`` aggregation weights, over the kept rows with the entropy mask (TRL): the
+        policy term's aggregation and denominators (verl), or ``entropy_aggregation`` over the local tokens."""
+        if entropy_aggregation is None:
+            if keep is None:
+                return agg_w
+            return _aggregation_weights(aggregation, keep, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                        num_seqs_agg)
+        rows = scored if keep is None else keep
+        return _aggregation_weights(entropy_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc)
+
+    is_info, keep, threshold, outside = None, None, None, None
     if fused:
         if rollout is not None:
-            is_info = _importance_weights(old, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
-        w_pg = agg_w if is_info is None else agg_w * is_info[0]
+            is_info = _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
+            pg_weight = pg_weight * is_info[0]
+        w_pg = agg_pg * pg_weight
+        w_ent = entropy_aggregation_weights(None) * minus_entropy_coef
         inputs = LossInputs(old, adv, w_pg, w_kl, w_ent, ref_logp_given)
-        loss, stats = route.fused_loss(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator_name,
-                                       entropy_coef != 0.0, backend)
+        loss, stats, threshold = route.fused_loss(
+            logits, ref_logits, target, temperature, inputs, hp, formula, estimator_name, entropy_coef != 0.0,
+            backend, with_entropy=compute_entropy, entropy_quantile=quantile)
         logp, entropy = stats.logp, stats.entropy
+        if quantile is not None:
+            keep = scored & (entropy >= threshold)
+            w_pg = w_pg * keep.to(acc)
     else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
-        wanted = statistics.request(entropy=True, ref=ref_logits is not None, full_kl=full)
+        wanted = statistics.request(entropy=compute_entropy, ref=ref_logits is not None, full_kl=full)
         if truncation is not None:
             stats, outside = _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full,
                                               route.backend(backend, logits, ref_logits), shard)
             scored = scored & ~outside
-            agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
+            agg_w, agg_pg = aggregation_weights(scored)
             w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
-            w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
         else:
             stats = route.statistics(logits, ref_logits, target, temperature, wanted,
                                      route.backend(backend, logits, ref_logits), shard)
-        logp, entropy = stats.logp, stats.entropy
+        logp = stats.logp
+        entropy = stats.entropy if compute_entropy else torch.zeros_like(logp)
         if rollout is not None:
             old_for_is = logp.detach() if old is None else old
-            is_info = _importance_weights(old_for_is, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
-        w_pg = agg_w if is_info is None else agg_w * is_info[0]
+            is_info = _importance_weights(old_for_is, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
+            pg_weight = pg_weight * is_info[0]
+        if off_policy is not None:
+            sampling = rollout if rollout is not None else (logp.detach() if old is None else old)
+            pg_weight = pg_weight * _off_policy_keep(adv, logp, sampling, off_policy, scored, seq_index,
+                                                     num_seqs).to(acc)
+        if quantile is not None:
+            keep, threshold = terms.entropy_keep(entropy.detach(), scored, quantile)
+            pg_weight = pg_weight * keep.to(acc)
+        w_pg = agg_pg * pg_weight
+    if not compute_entropy:
+        entropy = torch.zeros_like(logp)
+    ent_agg = entropy_aggregation_weights(keep)
+    w_ent = ent_agg * minus_entropy_coef
     ref_logp = stats.ref_logp if ref_logits is not None else (
         ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
     reported_logp = logp
@@ -318,16 +513,27 @@ def policy_loss(
         stand_in = old if old is not None else torch.zeros_like(logp)
         logp = torch.where(outside, stand_in.to(logp.dtype), logp)
         ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
-    token = terms.token_terms(loss_type, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
-                              scored, seq_index, num_seqs)
+    token = terms.token_terms(formula, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
+                              scored, seq_index, num_seqs, level=importance_sampling_level, log_is=log_is)
     if outside is not None:
         zero = torch.zeros_like(token.ratio)
         token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
     if not fused:
         loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
-    metrics = _metrics(token, scored, entropy, is_info)
+    parts = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
+             "entropy_loss": (ent_agg * entropy).sum()}
+    extra = {}
     if outside is not None:
-        metrics["outside_support_frac"] = (outside.float().sum() / (scored | outside).float().sum().clamp(min=1))
+        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
+    if quantile is not None:
+        extra["entropy_threshold"] = threshold.float().reshape(())
+    if token.seq_weight is not None:  # TRL's vespo/phi_seq_mean: over the sequences with per-sequence advantages
+        if per_sequence_advantages:  # phi is the same on every row of a sequence (1 for a sequence without rows)
+            phi = token.seq_weight.new_ones(num_seqs).scatter(0, seq_index, token.seq_weight)
+            extra["vespo_phi_mean"] = phi.float().mean() if num_seqs else phi.float().sum()
+        else:
+            extra["vespo_phi_mean"] = _masked_mean(token.seq_weight.float(), scored, scored.float().sum().clamp(min=1))
+    metrics = _metrics(token, scored, entropy, is_info, parts, extra)
     view = lambda t: t.detach().float().view(shape)  # noqa: E731
     return PolicyLossOutput(loss, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
                             view(token.ratio), metrics)

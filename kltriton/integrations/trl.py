@@ -10,10 +10,12 @@ distillation trainers their divergence.
   So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
   again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
   log-probs and entropy, sharded heads) keep TRL's head, with a log line.
-- ``GRPOTrainer._compute_loss``: with a configuration that maps
-  onto it (see ``policy_loss_arguments``), the loss is computed from the hidden states by
-  ``kltriton.policy_loss``; otherwise TRL's own ``_compute_loss`` runs (on kltriton's log-probs), with
-  one log line per reason.
+- ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
+  (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
+  bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
+  importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
+  for a model kltriton's head does not serve (MoE router losses, multimodal inputs), with one log line per
+  reason.
 
 Distillation (``kltriton.token_divergence`` from the models' hidden states, never the ``[B, T, V]`` logits):
 
@@ -160,73 +162,93 @@ def _score(hidden, weight, bias, labels, logit_scale, softcap, temperature, with
 
 
 # ---------------------------------------------------------------------------------------------- loss
-# TRL loss_type -> (kltriton loss_type, aggregation); the normalizers TRL applies on top are in _kltriton_loss.
-_LOSS_TYPES = {
-    "grpo": ("ppo", "seq-mean-token-mean"),
-    "bnpo": ("ppo", "token-mean"),
-    "dr_grpo": ("ppo", "seq-mean-token-sum-norm"),
-    "dapo": ("ppo", "token-sum"),
-    "cispo": ("cispo", "token-sum"),
-}
+# TRL loss types whose loss normalizer is the number of sequences (times the accumulation steps), the number of
+# local tokens (bnpo), or the generation batch's token count (the rest).
+_PER_SEQUENCE = ("grpo", "sapo", "dr_grpo", "luspo")
+_PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 def _why_trl_loss(trainer, inputs) -> Optional[str]:
-    """``None`` when ``policy_loss_arguments`` covers the trainer's configuration, else the reason it doesn't."""
-    args = trainer.args
+    """``None`` when ``policy_loss_arguments`` covers the trainer's configuration, else the reason it doesn't.
+    Every ``GRPOConfig`` field of the loss maps (docs/integrations.md lists them); what is left is the model."""
+    from kltriton.kernels.loss import terms
+
     model = trainer.accelerator.unwrap_model(trainer.model)
     checks = [
-        (trainer.loss_type not in _LOSS_TYPES, f"loss_type={trainer.loss_type!r} has no kltriton equivalent"),
-        (trainer.importance_sampling_level == "sequence" and trainer.loss_type != "grpo",
-         f"importance_sampling_level='sequence' with loss_type={trainer.loss_type!r}"),
-        (trainer.loss_type == "cispo" and trainer.epsilon_high <= 1.0, "CISPO with epsilon_high <= 1"),
-        (args.delta is not None and args.delta < 1 + trainer.epsilon_high,
-         "delta < 1 + epsilon_high is not a dual clip"),
-        (trainer.beta != 0.0 and args.use_bias_correction_kl, "use_bias_correction_kl=True with beta != 0"),
-        (trainer.off_policy_mask_threshold is not None, "off_policy_mask_threshold is set"),
-        (trainer.top_entropy_quantile < 1.0, "top_entropy_quantile < 1"),
-        (trainer._entropy_bonus_enabled, "the entropy bonus is on"),
-        (trainer.aux_loss_enabled, "the MoE aux loss is on"),
+        (trainer.loss_type not in terms.LOSS_TYPES, f"loss_type={trainer.loss_type!r} is not one kltriton knows"),
+        (trainer.aux_loss_enabled, "the MoE aux loss is on (the router logits come from TRL's forward)"),
         (any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS), "the inputs are multimodal"),
         (not hasattr(model, "_kltriton_head_scaling"), "the model kept TRL's fused LM head"),
     ]
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        checks += [
-            (trainer.vllm_importance_sampling_clip_min not in (None, 0.0), "vllm_importance_sampling_clip_min is set"),
-            (trainer.vllm_importance_sampling_clip_max is None, "vllm_importance_sampling_clip_max is None"),
-            (inputs.get("sampling_per_token_logps") is None, "no sampling_per_token_logps in the inputs"),
-        ]
     return next((reason for failed, reason in checks if failed), None)
 
 
+def _mode_and_accumulation(trainer):
+    mode = "train" if trainer.model.training else "eval"
+    return mode, (trainer.current_gradient_accumulation_steps if mode == "train" else 1.0)
+
+
+def _entropy_coef(trainer) -> float:
+    """The entropy bonus's coefficient this step (TRL: the adaptive controller gates it on the last entropy)."""
+    if not trainer._entropy_bonus_enabled:
+        return 0.0
+    if trainer.use_adaptive_entropy:
+        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+    return trainer.entropy_coef
+
+
 def policy_loss_arguments(trainer, inputs) -> dict:
-    """The ``kltriton.policy_loss`` keyword arguments for one ``GRPOTrainer`` micro-batch (mapped config)."""
-    loss_type, aggregation = _LOSS_TYPES[trainer.loss_type]
-    if trainer.importance_sampling_level == "sequence":
-        loss_type = "gspo"
+    """The ``kltriton.policy_loss`` keyword arguments that give ``GRPOTrainer._compute_loss``'s loss for one
+    micro-batch: the loss type and its parameters, the importance-sampling level, the KL term (bias-corrected or
+    not), the entropy mask and bonus, the off-policy mask, the vLLM importance-sampling ratios, and TRL's loss
+    normalizers (folded into the aggregation's denominators, gradient accumulation included)."""
+    args = trainer.args
+    mode, accumulation = _mode_and_accumulation(trainer)
+    loss_type = trainer.loss_type
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    kwargs = dict(
-        loss_type=loss_type, aggregation=aggregation, mask=mask,
-        old_logprobs=inputs.get("old_per_token_logps"),
-        clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high, dual_clip=trainer.args.delta,
-        temperature=trainer.temperature,
-    )
+    kwargs = dict(loss_type=loss_type, importance_sampling_level=trainer.importance_sampling_level, mask=mask,
+                  old_logprobs=inputs.get("old_per_token_logps"), temperature=trainer.temperature)
     if loss_type == "cispo":  # TRL's CISPO caps the ratio at epsilon_high itself and has no lower bound
         kwargs.update(clip_low=1.0, clip_high=trainer.epsilon_high - 1.0)
-    if aggregation == "seq-mean-token-sum-norm":
-        kwargs["horizon"] = trainer.max_completion_length
+    else:
+        kwargs.update(clip_low=trainer.epsilon_low, clip_high=trainer.epsilon_high)
+    if loss_type in _PPO_FAMILY and args.delta is not None:
+        kwargs["delta"] = args.delta
+    if loss_type == "sapo":
+        kwargs.update(tau_pos=args.sapo_temperature_pos, tau_neg=args.sapo_temperature_neg)
+    if loss_type == "vespo":
+        kwargs.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                      vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+    batch = mask.shape[0]
+    if loss_type in _PER_SEQUENCE:
+        kwargs["global_batch_size"] = batch * accumulation
+        if loss_type == "dr_grpo":
+            kwargs["horizon"] = trainer.max_completion_length
+    elif loss_type == "bnpo":
+        kwargs["batch_num_tokens"] = mask.sum().clamp(min=1.0) * accumulation
+    else:  # cispo, dapo, vespo: the generation batch's token count, rescaled to one accumulation window
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * accumulation / args.steps_per_generation
+        kwargs["batch_num_tokens"] = normalizer
     if trainer.beta != 0.0:
-        kwargs.update(ref=inputs["ref_per_token_logps"], kl_coef=trainer.beta, kl_estimator="k3")
+        kwargs.update(ref=inputs["ref_per_token_logps"], kl_coef=trainer.beta, kl_estimator="k3",
+                      use_bias_correction_kl=args.use_bias_correction_kl)
+    if trainer.top_entropy_quantile < 1.0:
+        kwargs["token_mask_entropy_quantile"] = 1 - trainer.top_entropy_quantile
+    if trainer.off_policy_mask_threshold is not None:
+        kwargs["off_policy_mask_threshold"] = trainer.off_policy_mask_threshold
+        if inputs.get("sampling_per_token_logps") is not None:
+            kwargs["rollout_logprobs"] = inputs["sampling_per_token_logps"]
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        old = inputs.get("old_per_token_logps")
-        rollout = inputs["sampling_per_token_logps"]
-        # TRL gives tokens vLLM could not score (NaN) a weight of 1: their rollout log-prob is the old one.
-        kwargs.update(rollout_logprobs=torch.where(torch.isnan(rollout), old, rollout),
-                      is_mode=trainer.vllm_importance_sampling_mode,
-                      is_cap=trainer.vllm_importance_sampling_clip_max)
+        kwargs["rollout_is_weights"] = inputs["importance_sampling_ratio"]  # TRL's, computed at generation
+    coef = _entropy_coef(trainer)
+    if coef != 0.0:  # TRL's bonus: the mean entropy of the (kept) tokens, scaled for accumulation only
+        kwargs.update(entropy_coef=coef / accumulation, entropy_aggregation="token-mean")
     return kwargs
 
 
@@ -244,62 +266,91 @@ def _kltriton_loss(trainer, model, inputs):
                                    softcap=softcap)
     kwargs = policy_loss_arguments(trainer, inputs)
     out = kltriton.policy_loss(logits, completion_ids, inputs["advantages"], **kwargs)
-
-    mode = "train" if trainer.model.training else "eval"
-    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
-    if kwargs["aggregation"] == "token-sum":  # dapo, cispo: TRL divides by the generation batch's token count
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * accumulation / trainer.args.steps_per_generation
-        loss = out.loss / normalizer
-    else:
-        loss = out.loss / accumulation
-    _log_metrics(trainer, mode, out, kwargs["mask"], inputs["advantages"], kwargs["loss_type"])
-    return loss
+    mode, accumulation = _mode_and_accumulation(trainer)
+    _log_metrics(trainer, mode, accumulation, out, kwargs, inputs["advantages"])
+    return out.loss
 
 
-def _log_metrics(trainer, mode, out, mask, advantages, loss_type):
-    """TRL's ``kl``, ``entropy`` and clip metrics, from kltriton's per-token outputs."""
+def _log_metrics(trainer, mode, accumulation, out, kwargs, advantages):
+    """TRL's metrics of ``_compute_loss`` from kltriton's outputs: ``kl``, ``entropy``, the loss type's clip
+    metrics, and with the entropy bonus ``policy_loss``, ``entropy_coef`` and the adaptive controller's update."""
+    from trl.trainer.utils import nanmax, nanmin
+
     acc = trainer.accelerator
-    mask = mask.float()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    seq_tokens = mask.sum(-1)
+    mask = kwargs["mask"].float()
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    sequence_level = trainer.importance_sampling_level == "sequence"
+    metrics = trainer._metrics[mode]
 
-    def mean(x):  # over the scored tokens of every process
-        totals = acc.reduce(torch.stack([(x * mask).sum(), mask.sum()]), reduction="sum")
+    def global_masked_mean(x):  # TRL's: over the tokens, or over the sequences of a (B, 1) value
+        if x.shape[1] == 1:
+            local = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+        else:
+            local = torch.stack([(x * mask).sum(), mask.sum()])
+        totals = acc.reduce(local, reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-    def seq_mean(x):  # one value per sequence
-        return (x * mask).sum(-1) / seq_tokens
+    def masked_seq_mean(x):
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
-    metrics = trainer._metrics[mode]
     if trainer.beta != 0.0:
-        metrics["kl"].append(mean(out.kl))
-    metrics["entropy"].append(mean(out.entropy))
+        metrics["kl"].append(global_masked_mean(out.kl))
+    metrics["entropy"].append(global_masked_mean(out.entropy))
     ratio = out.ratio.detach()
-    if loss_type == "cispo":
-        metrics["cispo_clip_ratio"].append(mean(((ratio > trainer.epsilon_high) & (advantages > 0)).float()))
-        return
-    low = ((ratio < 1 - trainer.epsilon_low) & (advantages < 0)).float()
-    high = ((ratio > 1 + trainer.epsilon_high) & (advantages > 0)).float()
-    region = torch.maximum(low, high)
-    if loss_type == "gspo":  # TRL averages sequence-level clip flags over sequences, not tokens
-        flags = [seq_mean(x) for x in (low, high, region)]
-        totals = acc.reduce(torch.stack([f.nansum() for f in flags] + [(seq_tokens > 0).sum().float()]), "sum")
-        means = [(t / totals[3].clamp(min=1.0)).item() for t in totals[:3]]
-    else:
-        means = [mean(x) for x in (low, high, region)]
-    metrics["clip_ratio/low_mean"].append(means[0])
-    metrics["clip_ratio/high_mean"].append(means[1])
-    metrics["clip_ratio/region_mean"].append(means[2])
-    metrics["clip_ratio/low_min"].append(_nan_reduce(acc.gather(seq_mean(low)), torch.min))
-    metrics["clip_ratio/high_max"].append(_nan_reduce(acc.gather(seq_mean(high)), torch.max))
+    if sequence_level:  # TRL's coef_1 is (B, 1): read it where the sequence has a token, 1 where it has none
+        first = mask.argmax(-1, keepdim=True)
+        ratio = torch.where(mask.sum(-1, keepdim=True) > 0, ratio.gather(1, first),
+                            torch.ones_like(first, dtype=ratio.dtype))
+    loss_type = trainer.loss_type
+    if loss_type in _PPO_FAMILY:
+        if trainer.args.delta is not None:
+            ratio = torch.clamp(ratio, max=trainer.args.delta)
+        low = ((ratio < 1 - trainer.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + trainer.epsilon_high) & (adv > 0)).float()
+        region = torch.maximum(low, high)
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean(region))
+        metrics["clip_ratio/low_min"].append(nanmin(acc.gather(masked_seq_mean(low))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(acc.gather(masked_seq_mean(high))).item())
+    elif loss_type == "cispo":
+        metrics["cispo_clip_ratio"].append(global_masked_mean(((ratio > trainer.epsilon_high) & (adv > 0)).float()))
+    elif loss_type == "vespo":
+        count = adv.shape[0] if adv.shape[1] == 1 else mask.sum()
+        phi = out.metrics["vespo_phi_mean"] * count
+        totals = acc.reduce(torch.stack([phi, torch.as_tensor(count, dtype=phi.dtype, device=phi.device)]), "sum")
+        metrics["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+    if trainer._entropy_bonus_enabled:
+        _entropy_bonus_metrics(trainer, mode, accumulation, out, kwargs, mask)
 
 
-def _nan_reduce(x, fn) -> float:
-    x = x[~torch.isnan(x)]
-    return float("nan") if x.numel() == 0 else fn(x).item()
+def _entropy_bonus_metrics(trainer, mode, accumulation, out, kwargs, mask):
+    """With the entropy bonus TRL logs the loss without it (``policy_loss``), updates the adaptive controller on
+    the tokens the bonus acts on, and logs ``entropy_coef`` at optimizer steps."""
+    acc = trainer.accelerator
+    policy = out.metrics["pg_loss"] + kwargs.get("kl_coef", 0.0) * out.metrics["kl_loss"]
+    if trainer.loss_type in _PER_SEQUENCE or trainer.loss_type == "bnpo":
+        policy = policy * accumulation  # TRL logs these before dividing by the accumulation steps
+    trainer._metrics[mode]["policy_loss"].append(acc.gather(policy).nanmean().item())
+    if trainer.use_adaptive_entropy and mode == "train":
+        effective = mask
+        if "token_mask_entropy_quantile" in kwargs:
+            effective = mask * (out.entropy >= out.metrics["entropy_threshold"]).float()
+        stats = torch.stack([(out.entropy * effective).sum(), effective.sum()])
+        window = trainer._entropy_window_stats
+        trainer._entropy_window_stats = stats if window is None else window + stats
+        if acc.sync_gradients:
+            totals = acc.reduce(trainer._entropy_window_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            args = trainer.args
+            if world_entropy <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy = world_entropy
+            trainer._entropy_window_stats = None
+    if mode == "train" and acc.sync_gradients:
+        trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
 
 
 # ---------------------------------------------------------------------------------------------- distillation

@@ -1,20 +1,31 @@
-"""verl (tested with 0.9.1): its log-prob and entropy helpers run on kltriton's fused kernels.
+"""verl (tested with 0.9.1): its log-prob and entropy helpers and its fused-kernels forward run on kltriton, and
+its registered policy losses are offered through ``kltriton.policy_loss``.
 
-``apply()`` replaces, in ``verl.utils.torch_functional`` and in every loaded verl module that imported
-them by name (and in those imported later):
+``apply()`` changes, in verl and in every loaded verl module that imported them by name (and in those imported
+later):
 
 - ``logprobs_from_logits(logits, labels, inplace_backward=True)``: ``kltriton.token_logprobs``.
   ``inplace_backward`` (flash-attn's option to write the gradient into the logits) is accepted and
   ignored: kltriton never writes into its inputs.
 - ``entropy_from_logits(logits)`` and ``entropy_from_logits_with_chunking(logits, chunk_size)``: the
   entropy from the same streaming pass (no ``[N, V]`` softmax, so no chunking is needed).
+- ``verl.models.transformers.monkey_patch.patch_forward_with_backends``: ``use_fused_kernels=True`` with
+  ``fused_kernel_options.impl_backend="kltriton"`` (verl's ``fused_kernels_backend``, today ``triton`` / ``torch``
+  / ``liger``) gives the actor's causal LM a forward that scores its log-probs and entropy from the hidden states
+  with ``kltriton.LinearLogits`` (never the ``[N, V]`` logits; the LM head's scale and softcap read from the
+  config as TRL does). Vision-language models, whose forwards verl writes per model, keep the ``torch``
+  backend, with a log line.
 
-Both return fp32 whatever the logits' dtype (verl returns the logits' dtype for bf16 logits).
+All return fp32 whatever the logits' dtype (verl returns the logits' dtype for bf16 logits).
 
-What stays verl's, and why: ``core_algos.kl_penalty``, ``agg_loss`` and the registered policy losses
-receive log-probs, never logits, so there is no vocab pass left for kltriton to fuse; they run on the
-log-probs kltriton produced, and their gradient flows back through kltriton's backward. The tests check
-that kltriton's ``token_kl`` (every verl KL name) and ``policy_loss`` give verl's values and gradients.
+The policy losses: ``policy_loss_arguments(config)`` turns an actor config (``ActorConfig``: ``policy_loss.loss_mode``,
+the clip ratios, ``clip_ratio_c``, ``tau_pos`` / ``tau_neg``, the ``policy_loss`` parameters, ``loss_agg_mode``,
+``global_batch_info``, the KL loss and the entropy coefficient) into ``kltriton.policy_loss`` keyword
+arguments, for every name of verl's ``POLICY_LOSS_REGISTRY``: a caller with logits or hidden states computes the
+actor's loss in one fused call, ``kltriton.policy_loss(logits, labels, advantages, old_logprobs=...,
+**policy_loss_arguments(config))``, and ``pg_metrics(out)`` gives verl's metric names. verl 0.9.1's own actor
+computes its loss after its forward, from log-probs (``workers/utils/losses.ppo_loss``): there the registry's
+functions run on the log-probs kltriton produced, and their gradient flows back through kltriton's backward.
 
 Distillation (``verl/trainer/distillation``):
 
@@ -30,18 +41,23 @@ Distillation (``verl/trainer/distillation``):
   receive log-probs, so there is no vocab pass to fuse: the log-probs come from kltriton's
   ``logprobs_from_logits`` above.
 
-``undo()`` (or leaving ``with apply():``) restores verl's functions everywhere.
+``undo()`` (or leaving ``with apply():``) restores verl's functions everywhere (a model whose forward was
+already switched to the kltriton backend keeps it, as verl's own backends do).
 """
 import logging
+from typing import Optional
 
 import torch
 
 import kltriton
 from kltriton import dropins, estimators
 from kltriton.integrations._patch import Integration, Patch
+from kltriton.linear_logits import head_scaling
 
 logger = logging.getLogger(__name__)
 
+# verl writes the forwards of these model types itself (vision inputs): they keep its torch backend.
+_OWN_FORWARDS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "qwen3_5", "qwen3_5_moe")
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
@@ -59,13 +75,157 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
     return dropins.entropy_from_logits(logits)
 
 
+# ------------------------------------------------------------------------------ fused-kernels forward
+def forward_with_kltriton_backend(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                                  inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                                  output_hidden_states=None, return_dict=None, cache_position=None,
+                                  logits_to_keep=0, temperature: float = 1.0, shift_labels=None, **loss_kwargs):
+    """verl's ``forward_with_torch_backend`` (``models/transformers/dense_common.py``) with the log-probs and entropy
+    of the next tokens scored by ``kltriton.token_logprobs`` on ``LinearLogits(hidden, lm_head)``: fp32,
+    differentiable w.r.t. the hidden states and the LM head."""
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
+
+    outputs = forward_base_model(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                                 return_dict=return_dict, cache_position=cache_position)
+    if not return_dict:
+        raise NotImplementedError("forward_with_kltriton_backend has to return_dict")
+    if shift_labels is not None:  # labels the engine already rolled over the whole sequence (verl issue #6068)
+        rolled = shift_labels
+    elif labels is not None:
+        rolled = torch.roll(labels, shifts=-1, dims=-1)
+    elif input_ids is not None:
+        rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    else:
+        raise RuntimeError("To use forward_with_kltriton_backend, either labels or input_ids must be provided.")
+    head = self.get_output_embeddings()
+    logit_scale, softcap = self._kltriton_head_scaling
+    logits = kltriton.LinearLogits(outputs[0], head.weight, head.bias, logit_scale=logit_scale, softcap=softcap)
+    log_probs, entropy = kltriton.token_logprobs(logits, rolled, temperature=temperature, return_entropy=True)
+    return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
+                                hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def _patch_forward(verl_patch_forward):
+    def patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_kernels_backend: str = None):
+        """verl's ``patch_forward_with_backends`` with one more backend, ``"kltriton"``."""
+        if not (use_fused_kernels and fused_kernels_backend == "kltriton"):
+            return verl_patch_forward(model, use_fused_kernels=use_fused_kernels,
+                                      fused_kernels_backend=fused_kernels_backend)
+        scaling = head_scaling(model.config)
+        if model.config.model_type in _OWN_FORWARDS or isinstance(scaling, str):
+            why = scaling if isinstance(scaling, str) else f"verl writes the {model.config.model_type} forward itself"
+            logger.warning("kltriton: %s keeps verl's torch fused-kernels backend, because %s",
+                           type(model).__name__, why)
+            return verl_patch_forward(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        model._verl_fused_kernels_backend = "kltriton"
+        model._kltriton_head_scaling = scaling
+        model.__class__.forward = forward_with_kltriton_backend
+        logger.warning("kltriton: %s scores its log-probs and entropy from the hidden states with kltriton "
+                       "(fused_kernels_backend='kltriton')", type(model).__name__)
+
+    return patch_forward_with_backends
+
+
+# ------------------------------------------------------------------------------ the policy losses
+def _get(config, name, default=None):
+    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    return default if value is None else value
+
+
+def policy_loss_arguments(config, *, loss_mode: Optional[str] = None, loss_agg_mode: Optional[str] = None,
+                          global_batch_info: Optional[dict] = None, response_length: Optional[int] = None) -> dict:
+    """``kltriton.policy_loss`` keyword arguments that compute the policy loss ``config`` (verl's ``ActorConfig``)
+    names, as ``workers/utils/losses.ppo_loss`` adds it up: the registered policy loss (``loss_mode``: default
+    ``config.policy_loss.loss_mode``) aggregated by ``loss_agg_mode`` (default ``config.loss_agg_mode``) with
+    ``global_batch_info`` (default ``config.global_batch_info``), plus ``kl_loss_coef`` times the KL loss
+    (``use_kl_loss``: the caller passes ``ref=``) and minus ``entropy_coeff`` times the entropy.
+    ``response_length``: the padded length ``T`` of a packed batch (``seq-mean-token-sum-norm``'s default divisor).
+
+    verl's own deviations, kept: the policy term of ``sapo`` aggregates ``seq-mean-token-mean`` whatever
+    ``loss_agg_mode`` says, and ``geo_mean``'s averages over the local sequences (``pg_aggregation``);
+    ``low_var_kl`` (k3) is clamped to [-10, 10]."""
+    policy = _get(config, "policy_loss", {})
+    mode = loss_mode or _get(policy, "loss_mode", "vanilla")
+    clip = _get(config, "clip_ratio", 0.2)
+    kwargs = dict(loss_type=mode, clip_low=_get(config, "clip_ratio_low", clip),
+                  clip_high=_get(config, "clip_ratio_high", clip),
+                  aggregation=loss_agg_mode or _get(config, "loss_agg_mode", "token-mean"))
+    info = dict(_get(config, "global_batch_info", {}) if global_batch_info is None else global_batch_info)
+    dp_size = info.get("dp_size") or 1
+    if info.get("batch_num_tokens") is not None:  # verl multiplies by dp_size: the local share of the batch
+        kwargs["batch_num_tokens"] = info["batch_num_tokens"] / dp_size
+    if info.get("global_batch_size") is not None:
+        kwargs["global_batch_size"] = info["global_batch_size"] / dp_size
+    if info.get("loss_scale_factor") is not None:
+        kwargs["horizon"] = info["loss_scale_factor"]
+    elif response_length is not None:
+        kwargs["horizon"] = response_length
+    correction = _get(policy, "rollout_correction", {})
+    if mode == "vanilla" or (mode == "bypass_mode" and _get(correction, "loss_type", "ppo_clip") == "ppo_clip"):
+        kwargs["dual_clip"] = _get(config, "clip_ratio_c", 3.0)
+    elif mode in ("dppo_tv", "dppo_kl"):
+        kwargs["clip_ratio_c"] = _get(config, "clip_ratio_c", 20.0)
+    elif mode == "sapo":
+        kwargs.update(tau_pos=_get(config, "tau_pos", 1.0), tau_neg=_get(config, "tau_neg", 1.05),
+                      pg_aggregation="seq-mean-token-mean")
+    elif mode == "clip_cov":
+        kwargs.update(clip_cov_ratio=_get(policy, "clip_cov_ratio", 0.0002), clip_cov_lb=_get(policy, "clip_cov_lb", 1.0),
+                      clip_cov_ub=_get(policy, "clip_cov_ub", 5.0))
+    elif mode == "kl_cov":
+        kwargs.update(kl_cov_ratio=_get(policy, "kl_cov_ratio", 0.0002), ppo_kl_coef=_get(policy, "ppo_kl_coef", 1.0))
+    elif mode == "dro":
+        kwargs["dro_beta"] = _get(policy, "dro_beta")
+    elif mode == "geo_mean":  # verl: torch.mean over the local sequences, whatever loss_agg_mode says
+        kwargs["pg_aggregation"] = "seq-mean-token-mean"
+    if mode == "bypass_mode":
+        kwargs.update(_bypass_arguments(correction))
+    if _get(config, "use_kl_loss", False):
+        kl_type = _get(config, "kl_loss_type", "low_var_kl")
+        kwargs.update(kl_coef=_get(config, "kl_loss_coef", 0.001), kl_estimator=kl_type)
+        if kl_type.rstrip("+") in ("low_var_kl", "k3"):
+            kwargs["kl_clamp"] = 10.0
+    if _get(config, "entropy_coeff", 0.0):
+        kwargs["entropy_coef"] = float(_get(config, "entropy_coeff"))
+    return kwargs
+
+
+def _bypass_arguments(correction) -> dict:
+    """verl's ``rollout_correction`` of ``bypass_mode``: the loss type and the rollout IS weights of the
+    REINFORCE variant (token / sequence, truncated at the threshold, or IcePop's ``"lower_upper"`` window)."""
+    kind = _get(correction, "loss_type", "ppo_clip")
+    if _get(correction, "rollout_rs") is not None or _get(correction, "rollout_is_batch_normalize", False):
+        raise NotImplementedError("bypass_mode with rollout_rs (rejection sampling) or rollout_is_batch_normalize "
+                                  "has no kltriton.policy_loss equivalent; use verl's own function")
+    kwargs = {"bypass_loss_type": kind}
+    level = _get(correction, "rollout_is")
+    if kind == "reinforce" and level is not None:
+        threshold = _get(correction, "rollout_is_threshold", 2.0)
+        if isinstance(threshold, str) and "_" in threshold:
+            low, high = (float(v) for v in threshold.split("_", 1))
+            kwargs.update(is_mode=f"{level}_mask", is_min=low, is_cap=high)
+        else:
+            kwargs.update(is_mode=f"{level}_truncate", is_cap=float(threshold))
+    return kwargs
+
+
+def pg_metrics(out) -> dict:
+    """verl's policy-loss metric names from a ``kltriton.policy_loss`` output (0-dim tensors)."""
+    return {"actor/pg_clipfrac": out.metrics["clipfrac"], "actor/ppo_kl": out.metrics["ppo_kl"],
+            "actor/pg_clipfrac_lower": out.metrics["clipfrac_lower"], "actor/pg_loss": out.metrics["pg_loss"]}
+
+
 def _install(patch: Patch) -> None:
-    """Make verl compute log-probs and entropy with kltriton."""
+    """Make verl compute log-probs and entropy with kltriton and accept the ``kltriton`` fused-kernels backend."""
+    import verl.models.transformers.monkey_patch as monkey_patch
     import verl.utils.torch_functional as verl_F
 
     patch.swap("verl", patch.resolve(verl_F, "logprobs_from_logits"), logprobs_from_logits)
     patch.swap("verl", patch.resolve(verl_F, "entropy_from_logits"), entropy_from_logits)
     patch.swap("verl", patch.resolve(verl_F, "entropy_from_logits_with_chunking"), entropy_from_logits_with_chunking)
+    patch.set(monkey_patch, "patch_forward_with_backends",
+              _patch_forward(patch.resolve(monkey_patch, "patch_forward_with_backends")))
     _install_distillation(patch)
 
 
@@ -129,7 +289,8 @@ def estimator_distillation_loss(config, distillation_config, model_output, data)
 def forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, log_prob_min_clamp):
     """verl's ``fsdp.losses.compute_forward_kl_topk`` by ``kltriton.token_divergence``: the same dict of ``[1, nnz]``
     tensors (``distillation_losses`` differentiable w.r.t. ``student_logits``, the diagnostics without gradient)."""
-    teacher_lp = teacher_topk_log_probs.values().unsqueeze(0) if teacher_topk_log_probs.is_nested         else teacher_topk_log_probs
+    teacher_lp = teacher_topk_log_probs.values().unsqueeze(0) if teacher_topk_log_probs.is_nested \
+        else teacher_topk_log_probs
     ids = teacher_topk_ids.values().unsqueeze(0) if teacher_topk_ids.is_nested else teacher_topk_ids
     scored = torch.zeros(student_logits.shape[:-1], dtype=torch.long, device=student_logits.device)
     teacher = kltriton.TopK(ids.long(), teacher_lp, min_logprob=log_prob_min_clamp)

@@ -31,7 +31,12 @@ Q = 4  # the reference's probabilities (the forward KL's gradient p - q)
 # once per call): each kernel file lists the ones it implements (kltriton.kernels.loss.terms: all).
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(ratio) to [-20, 20] before exp (vanilla, cispo)
 # The loss kernels' float64 hyperparameter vector, by slot: data, so a new value never recompiles.
-HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp")
+HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp",
+                   # the loss types' own parameters (kltriton.kernels.loss.terms.PARAMETERS), then kl_ratio:
+                   # 1.0 multiplies the KL term by the importance ratio (TRL use_bias_correction_kl), 0.0 not
+                   "delta", "tau_pos", "tau_neg", "clip_ratio_c", "dro_beta", "clip_cov_ratio", "clip_cov_lb",
+                   "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                   "vespo_lambda_neg", "kl_ratio")
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
 CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",

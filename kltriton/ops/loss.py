@@ -15,12 +15,13 @@ from torch._subclasses.fake_tensor import is_fake
 from kltriton import dispatch, estimators
 from kltriton.kernels import accumulation_dtype, statistics
 from kltriton.kernels.linear import Side
-from kltriton.kernels.loss import LossInputs, terms, wanted
+from kltriton.kernels.loss import LossInputs, masked, terms, wanted
 from kltriton.ops._define import define_op
 
-# The ops' return annotations (their schemas are inferred from them): the loss, the statistics, the gradients.
-LossTuple = Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES) + 1)]
-LinearLossTuple = Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES) + 3)]
+# The ops' return annotations (their schemas are inferred from them): the loss, the statistics, the entropy
+# mask's threshold, the gradients.
+LossTuple = Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES) + 2)]
+LinearLossTuple = Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES) + 4)]
 
 
 def loss_value(target, loss_type, estimator, stats, inputs, hp):
@@ -31,7 +32,12 @@ def loss_value(target, loss_type, estimator, stats, inputs, hp):
     est = estimators.parse(estimator) if estimator else None
     token = terms.token_terms(loss_type, est, stats.logp, ref_logp, full_kl, inputs.old_logp, inputs.advantages, hp,
                               target >= 0)
-    return terms.objective(token, stats.entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
+    entropy = stats.entropy if stats.entropy.shape == stats.logp.shape else torch.zeros_like(stats.logp)
+    return terms.objective(token, entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
+
+
+def _no_threshold(like):
+    return like.new_full((), float("nan"), dtype=torch.float32)
 
 
 def _forward(
@@ -50,21 +56,33 @@ def _forward(
     estimator: str,
     entropy_grad: bool,
     with_grad: bool,
+    with_entropy: bool,
+    entropy_quantile: Optional[torch.Tensor],  # 0-dim: TRL's entropy mask (kltriton.kernels.loss.masked)
     backend: str,
 ) -> LossTuple:
     inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
-    stats, grad = dispatch.implementation("loss", backend).forward(
-        logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad,
-        with_grad)
-    return (loss_value(target, loss_type, estimator, stats, inputs, hyperparameters), *stats, grad)
+    impl = dispatch.implementation("loss", backend)
+    if entropy_quantile is None:
+        stats, grad = impl.forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type,
+                                   estimator, entropy_grad, with_grad, with_entropy)
+        threshold = _no_threshold(logits)
+    else:
+        stats, grad, keep, threshold = masked.forward(impl, logits, ref_logits, target, temperature, inputs,
+                                                      hyperparameters, loss_type, estimator, with_grad,
+                                                      entropy_quantile)
+        inputs = inputs._replace(w_pg=inputs.w_pg * keep.to(inputs.w_pg.dtype))
+    return (loss_value(target, loss_type, estimator, stats, inputs, hyperparameters), *stats, threshold, grad)
 
 
 def _forward_fake(logits, ref_logits, target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp,
-                  hyperparameters, loss_type, estimator, entropy_grad, with_grad, backend):
+                  hyperparameters, loss_type, estimator, entropy_grad, with_grad, with_entropy, entropy_quantile,
+                  backend):
     n, acc = target.shape[0], accumulation_dtype(logits.dtype)
     new = lambda size: logits.new_empty(size, dtype=acc)  # noqa: E731
-    stats = statistics.empty_stats(n, wanted(ref_logits is not None, estimator), new)
-    return (new(()), *stats, logits.new_empty((n if with_grad else 0, logits.shape[-1])))
+    stats = statistics.empty_stats(n, wanted(ref_logits is not None, estimator,
+                                             with_entropy or entropy_quantile is not None), new)
+    return (new(()), *stats, logits.new_empty((), dtype=torch.float32),
+            logits.new_empty((n if with_grad else 0, logits.shape[-1])))
 
 
 @torch.library.custom_op("kltriton::loss_scale_", mutates_args=("grad",))
@@ -97,7 +115,7 @@ def _backward(saved, grads):
 
 
 loss_forward = define_op(
-    "loss_forward", _forward, outputs=("loss", *statistics.NAMES, "grad"), fake=_forward_fake,
+    "loss_forward", _forward, outputs=("loss", *statistics.NAMES, "threshold", "grad"), fake=_forward_fake,
     save=("logits", "backend", "grad"), backward=_backward, materialize_grads=False)
 
 
@@ -128,25 +146,38 @@ def _linear_forward(
     want_weight: bool,
     want_bias: bool,
     tile_elements: int,
+    with_entropy: bool,
+    entropy_quantile: Optional[torch.Tensor],  # 0-dim: TRL's entropy mask (kltriton.kernels.loss.masked)
     backend: str,
 ) -> LinearLossTuple:
     inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp)
     ref = None if ref_x is None else Side(ref_x, ref_weight, ref_bias, ref_scale, ref_softcap)
-    stats, d_x, d_weight, d_bias = dispatch.implementation("linear", backend).loss_forward(
-        Side(x, weight, bias, scale, softcap), ref, target, temperature, inputs, hyperparameters, loss_type,
-        estimator, entropy_grad, want_x, want_weight, want_bias, tile_elements)
+    impl = dispatch.implementation("linear", backend)
+    policy = Side(x, weight, bias, scale, softcap)
+    if entropy_quantile is None:
+        stats, d_x, d_weight, d_bias = impl.loss_forward(policy, ref, target, temperature, inputs, hyperparameters,
+                                                         loss_type, estimator, entropy_grad, want_x, want_weight,
+                                                         want_bias, tile_elements, with_entropy)
+        threshold = _no_threshold(x)
+    else:
+        stats, d_x, d_weight, d_bias, keep, threshold = masked.linear_forward(
+            impl, policy, ref, target, temperature, inputs, hyperparameters, loss_type, estimator, want_x,
+            want_weight, want_bias, tile_elements, entropy_quantile)
+        inputs = inputs._replace(w_pg=inputs.w_pg * keep.to(inputs.w_pg.dtype))
     grads = tuple(x.new_empty(0) if d is None else d for d in (d_x, d_weight, d_bias))  # no aliased outputs
-    return (loss_value(target, loss_type, estimator, stats, inputs, hyperparameters), *stats, *grads)
+    return (loss_value(target, loss_type, estimator, stats, inputs, hyperparameters), *stats, threshold, *grads)
 
 
 def _linear_forward_fake(x, weight, bias, scale, softcap, ref_x, ref_weight, ref_bias, ref_scale, ref_softcap,
                          target, temperature, old_logp, advantages, w_pg, w_kl, w_ent, ref_logp,
                          hyperparameters, loss_type, estimator, entropy_grad, want_x, want_weight, want_bias,
-                         tile_elements, backend):
+                         tile_elements, with_entropy, entropy_quantile, backend):
     new = lambda size: x.new_empty(size, dtype=accumulation_dtype(x.dtype))  # noqa: E731
     like = lambda t, wanted: t.new_empty(t.shape) if wanted and t is not None else x.new_empty(0)  # noqa: E731
-    stats = statistics.empty_stats(target.shape[0], wanted(ref_x is not None, estimator), new)
-    return (new(()), *stats, like(x, want_x), like(weight, want_weight), like(bias, want_bias))
+    stats = statistics.empty_stats(target.shape[0], wanted(ref_x is not None, estimator,
+                                                           with_entropy or entropy_quantile is not None), new)
+    return (new(()), *stats, x.new_empty((), dtype=torch.float32), like(x, want_x), like(weight, want_weight),
+            like(bias, want_bias))
 
 
 def _linear_backward(saved, grads):
@@ -158,6 +189,7 @@ def _linear_backward(saved, grads):
 
 
 linear_loss_forward = define_op(
-    "linear_loss_forward", _linear_forward, outputs=("loss", *statistics.NAMES, "d_x", "d_weight", "d_bias"),
+    "linear_loss_forward", _linear_forward, outputs=("loss", *statistics.NAMES, "threshold", "d_x", "d_weight",
+                                                     "d_bias"),
     fake=_linear_forward_fake, save=("backend", "d_x", "d_weight", "d_bias"), backward=_linear_backward,
     materialize_grads=False)

@@ -1,5 +1,4 @@
 """TRL integration: GRPOTrainer trains on a tiny Llama with and without kltriton, same seed, same metrics."""
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,31 +11,9 @@ pytest.importorskip("trl")
 import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
-from trl_support import tiny_llama  # noqa: E402
+from trl_support import assert_same_logs, tiny_llama, tiny_mixtral, train  # noqa: E402
 
-def _reward_cats(completions, **kwargs):
-    """Deterministic reward with spread inside every group: how often "cat" is said."""
-    return [float(c.split().count("cat")) - 0.1 * len(c.split()) for c in completions]
-
-
-def _train(model_dir, out_dir, **overrides):
-    """Run GRPOTrainer for 4 optimizer steps; return the per-step logs."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    dataset = Dataset.from_dict({"prompt": ["the cat sat on", "a dog ran and", "the big red", "then a small"] * 4})
-    args = GRPOConfig(
-        output_dir=str(out_dir), report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=4,
-        num_iterations=2,          # the second pass over a generation batch is off-policy: ratios move
-        learning_rate=0.05,        # big steps on purpose, so that some ratios leave [1 - eps, 1 + eps]
-        epsilon=0.1, beta=0.1, temperature=0.9, logging_steps=1, save_strategy="no",
-        use_bias_correction_kl=False,  # TRL's default (True) weights the KL by the ratio: no kltriton equivalent
-        disable_tqdm=True, dataloader_num_workers=0, **overrides,
-    )
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward_cats, args=args, train_dataset=dataset)
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
 @pytest.fixture(scope="module")
@@ -46,35 +23,12 @@ def model_dir(tmp_path_factory):
     return path
 
 
-# Tolerances. The two runs differ only in fp32 rounding: TRL's CPU head folds the vocab in torch, kltriton
-# streams it in its C++ kernel; per-token log-probs agree to ~1e-6, and Adam steps of 0.05 on a 2-layer model
-# carry that to ~1e-5 relative in the weights after 4 steps. Sampling sees the same seed, and a ~1e-6 shift of
-# a probability flips a sampled token with probability ~1e-6 per token, so the completions are the same.
-# Loss, kl, entropy: 1e-4 relative (+1e-6 absolute). grad_norm: 1e-3 relative (a norm over ~20k parameters
-# after 3 updates). clip_ratio/*: fractions of 24 completion tokens (1/24 apart), so they must be equal up to
-# float noise, 1e-6: a single token clipped differently fails the test.
-TOLERANCES = {"loss": 1e-4, "kl": 1e-4, "entropy": 1e-4, "grad_norm": 1e-3}
-CLIP_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-             "clip_ratio/high_max")
-
-
-def _assert_same_metrics(trl_logs, kl_logs):
-    assert len(trl_logs) == len(kl_logs) == 4
-    for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
-        for key, rtol in TOLERANCES.items():
-            assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=1e-6), (step, key, a[key], b[key])
-        for key in CLIP_KEYS:
-            assert math.isclose(a[key], b[key], abs_tol=1e-6), (step, key, a[key], b[key])
-        for key in ("reward", "reward_std", "num_tokens", "completions/mean_length"):  # at generation steps
-            assert a.get(key) == b.get(key), (step, "completions differ", key, a.get(key), b.get(key))
-
-
 def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch, caplog):
-    trl_logs = _train(model_dir, tmp_path / "trl")
+    trl_logs = train(model_dir, tmp_path / "trl", use_bias_correction_kl=False)
     logprobs = CallCounter(monkeypatch, "token_logprobs")
     losses = CallCounter(monkeypatch, "policy_loss")
     with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
-        kl_logs = _train(model_dir, tmp_path / "kltriton")
+        kl_logs = train(model_dir, tmp_path / "kltriton", use_bias_correction_kl=False)
     # One line each says what runs: kltriton's head on both models, kltriton's loss.
     lines = [record.getMessage() for record in caplog.records]
     assert any("LlamaForCausalLM scores its log_probs and entropy with kltriton's LM head" in line for line in lines)
@@ -82,7 +36,7 @@ def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch, ca
     # The test can fail: clipping happened, the KL moved off zero, training moved the model.
     assert any(log["clip_ratio/region_mean"] > 0 for log in trl_logs)
     assert all(log["kl"] > 0 for log in trl_logs[1:])
-    _assert_same_metrics(trl_logs, kl_logs)
+    assert_same_logs(trl_logs, kl_logs)
     # Every generation batch is scored by the reference model and, with num_iterations=2, by the old policy.
     assert logprobs.calls >= 2 * 2, logprobs.calls
     # The configuration maps onto policy_loss: every optimizer step's loss came from kltriton.
@@ -91,6 +45,23 @@ def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch, ca
     for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
         cells = [f"{a[k]:.7g} / {b[k]:.7g}" for k in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean")]
         print(f"{step} | " + " | ".join(cells), file=sys.stderr)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_trains_the_same(loss_type, model_dir, tmp_path, monkeypatch, caplog):
+    """Four GRPOTrainer steps per TRL loss type, with TRL's defaults for the bias-corrected KL and the
+    importance-sampling level that loss type is meant for, an entropy mask and an entropy bonus: the logged
+    metrics equal TRL's own run, and every step's loss came from kltriton."""
+    overrides = dict(loss_type=loss_type, top_entropy_quantile=0.5, entropy_coef=0.01,
+                     importance_sampling_level="sequence" if loss_type in ("grpo", "luspo") else "token",
+                     epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+    trl_logs = train(model_dir, tmp_path / "trl", **overrides)
+    losses = CallCounter(monkeypatch, "policy_loss")
+    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
+        kl_logs = train(model_dir, tmp_path / "kltriton", **overrides)
+    assert not any("TRL's own code" in record.getMessage() for record in caplog.records)
+    assert losses.calls >= 4, losses.calls
+    assert_same_logs(trl_logs, kl_logs)
 
 
 def test_apply_changes_nothing_until_called_and_undo_restores(model_dir):
@@ -131,11 +102,17 @@ def test_model_built_while_applied_uses_trl_head_after_undo(model_dir, monkeypat
     assert bool((ours.log_probs[:, :1] == 0).all()) and bool((ours.entropy[:, :1] == 0).all())
 
 
-def test_unmapped_configuration_falls_back_to_trl_loss_with_a_log_line(model_dir, tmp_path, caplog):
+def test_moe_router_loss_falls_back_to_trl_loss_with_a_log_line(tmp_path, caplog):
+    """A model whose forward returns MoE router logits keeps TRL's head and TRL's loss (its load-balancing loss
+    comes from that forward), with a log line saying so."""
+    model = tmp_path / "tiny-mixtral"
+    tiny_mixtral(model)
     with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
-        logs = _train(model_dir, tmp_path / "sapo", loss_type="sapo")
-    assert len(logs) == 4
-    assert any("TRL's own code" in record.getMessage() for record in caplog.records)
+        logs = train(model, tmp_path / "moe", max_steps=1, num_iterations=1)
+    assert len(logs) == 1
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("keeps TRL's fused LM head" in line for line in lines), lines
+    assert any("TRL's own code" in line for line in lines), lines
 
 
 def test_importing_the_integration_imports_no_trl():

@@ -153,6 +153,161 @@ def test_policy_loss_matches_verl(loss_mode, aggregation):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
 
 
+# Every name of verl's registry, with the config fields its function reads (a few set away from their defaults).
+REGISTRY_CONFIGS = {
+    "vanilla": {}, "gspo": {}, "cispo": {}, "gpg": {}, "geo_mean": {},
+    "dppo_tv": dict(clip_ratio_low=0.05, clip_ratio_high=0.08, clip_ratio_c=1.3),
+    "dppo_kl": dict(clip_ratio_low=0.02, clip_ratio_high=0.03, clip_ratio_c=1.3),
+    "sapo": dict(tau_pos=1.2, tau_neg=1.4),
+    "clip_cov": dict(policy=dict(clip_cov_ratio=0.2, clip_cov_lb=0.05, clip_cov_ub=5.0)),
+    "kl_cov": dict(policy=dict(kl_cov_ratio=0.2, ppo_kl_coef=0.5)),
+    "dro": dict(policy=dict(dro_beta=0.3)),
+    "bypass_mode": dict(policy=dict(rollout_correction=dict(loss_type="ppo_clip"))),
+    "bypass_mode/reinforce": dict(policy=dict(rollout_correction=dict(loss_type="reinforce", rollout_is="token",
+                                                                       rollout_is_threshold=1.5))),
+    "bypass_mode/icepop": dict(policy=dict(rollout_correction=dict(loss_type="reinforce", rollout_is="sequence",
+                                                                    rollout_is_threshold="0.5_2.0"))),
+}
+
+
+def _actor_config(name, fields, **extra):
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig, RolloutCorrectionConfig
+
+    fields = dict(fields)
+    policy = dict(fields.pop("policy", {}))
+    if "rollout_correction" in policy:
+        policy["rollout_correction"] = RolloutCorrectionConfig(**policy["rollout_correction"])
+    settings = dict(dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28), **fields, **extra)
+    return ActorConfig(strategy="fsdp", policy_loss=PolicyLossConfig(loss_mode=name.split("/")[0], **policy),
+                       ppo_micro_batch_size_per_gpu=1, rollout_n=1, **settings)
+
+
+def _registry_batch():
+    b, t, v = 4, 19, 211
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(b, t, v, generator=g, dtype=torch.float64)).float()
+    labels = torch.randint(0, v, (b, t), generator=g)
+    logits[:, 2:6].scatter_add_(-1, labels[:, 2:6, None], 8.0 * torch.ones(b, 4, 1))  # likely tokens (DPPO)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 12:] = 0
+    mask[3, 5:] = 0
+    advantages = torch.randn(b, generator=g)[:, None].expand(b, t).contiguous()
+    logp = verl_F.logprobs_from_logits_naive(logits.double(), labels)
+    old = (logp + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
+    ref = (logp + 0.5 * torch.randn(b, t, generator=g, dtype=torch.float64)).float()
+    return logits, labels, mask, advantages, old, ref
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("name", list(REGISTRY_CONFIGS))
+def test_registry_losses_through_kltriton(name, aggregation):
+    """Every policy loss of verl's registry, by its config name: verl's own function + ppo_loss's KL and entropy
+    terms on float64 log-probs, against kltriton.policy_loss with policy_loss_arguments(config): loss, logits
+    gradient and verl's metrics."""
+    logits, labels, mask, advantages, old, ref = _registry_batch()
+    config = _actor_config(name, REGISTRY_CONFIGS[name], use_kl_loss=True, kl_loss_coef=0.05,
+                           kl_loss_type="low_var_kl", entropy_coeff=0.01, loss_agg_mode=aggregation)
+    x64 = logits.double().requires_grad_()
+    logp = verl_F.logprobs_from_logits_naive(x64, labels)
+    entropy = VERL_ORIGINALS[1](x64)
+    torch.manual_seed(7)  # clip_cov draws its tokens with torch.randperm
+    loss, metrics = core_algos.get_policy_loss_fn(name.split("/")[0])(old.double(), logp, advantages.double(), mask,
+                                                                       aggregation, config)
+    loss = loss - 0.01 * core_algos.agg_loss(entropy, mask, aggregation)
+    loss = loss + 0.05 * core_algos.agg_loss(core_algos.kl_penalty(logp, ref.double(), "low_var_kl"), mask,
+                                              aggregation)
+    (e_grad,) = torch.autograd.grad(loss, x64)
+    x = logits.clone().requires_grad_()
+    kwargs = kl_verl.policy_loss_arguments(config, response_length=logits.shape[1])
+    old_or_rollout = dict(rollout_logprobs=old) if name.startswith("bypass") else dict(old_logprobs=old)
+    torch.manual_seed(7)
+    out = kltriton.policy_loss(x, labels, advantages, ref=ref, mask=mask, **old_or_rollout, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    torch.testing.assert_close(out.loss.double(), loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), e_grad, rtol=1e-4, atol=1e-6)
+    ours = kl_verl.pg_metrics(out)
+    for key, value in metrics.items():
+        if key in ours and not name.startswith("bypass_mode/"):  # verl's reinforce logs ppo_kl against the rollout
+            assert abs(float(ours[key]) - float(value)) < 1e-5, (key, float(ours[key]), float(value))
+
+
+def test_every_registry_name_has_a_mapping():
+    names = set(core_algos.POLICY_LOSS_REGISTRY)
+    assert names == {name.split("/")[0] for name in REGISTRY_CONFIGS}
+    for name in names:
+        config = _actor_config(name, REGISTRY_CONFIGS[name])
+        assert kl_verl.policy_loss_arguments(config)["loss_type"] == name
+
+
+def test_bypass_with_rejection_sampling_is_refused_clearly():
+    config = _actor_config("bypass_mode", dict(policy=dict(rollout_correction=dict(
+        loss_type="reinforce", rollout_rs="token_k1", rollout_rs_threshold=2.0))))
+    with pytest.raises(NotImplementedError, match="rollout_rs"):
+        kl_verl.policy_loss_arguments(config)
+
+
+def _tiny_llama_classes():
+    """Two subclasses of a 2-layer Llama with the same random weights: verl's backends patch the class's forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    models = []
+    for name in ("TorchBackendLlama", "KltritonBackendLlama"):
+        cls = type(name, (LlamaForCausalLM,), {})
+        torch.manual_seed(0)
+        models.append(cls(config))
+    return models
+
+
+def test_fused_kernels_backend_matches_verl_torch_backend(caplog):
+    """use_fused_kernels=True with impl_backend="kltriton": the actor's log-probs and entropy from the hidden states
+    equal verl's torch backend's, and so do the gradients of verl's policy loss on them and three SGD steps."""
+    from verl.models.transformers import monkey_patch
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    torch_model, ours = _tiny_llama_classes()
+    monkey_patch.patch_forward_with_backends(torch_model, use_fused_kernels=True, fused_kernels_backend="torch")
+    with kl_verl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.verl"):
+        monkey_patch.patch_forward_with_backends(ours, use_fused_kernels=True, fused_kernels_backend="kltriton")
+    assert any("fused_kernels_backend='kltriton'" in r.getMessage() for r in caplog.records)
+    assert type(ours).forward is kl_verl.forward_with_kltriton_backend
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, 97, (3, 17), generator=g)
+    mask = torch.ones(3, 17, dtype=torch.long)
+    advantages = torch.randn(3, 1, generator=g).expand(3, 17)
+    config = ActorConfig(strategy="fsdp", clip_ratio=0.2, policy_loss=PolicyLossConfig(loss_mode="vanilla"),
+                         ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    # SGD: the updates stay proportional to the gradients (Adam's normalization would turn the rounding of a
+    # near-zero gradient into a step of size lr).
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (torch_model, ours)]
+    old = None
+    for step in range(3):
+        outs = []
+        for model, opt in zip((torch_model, ours), optimizers):
+            out = model(input_ids=input_ids, attention_mask=mask, temperature=0.8, return_dict=True)
+            logp = out.log_probs
+            old_logp = logp.detach() + 0.1 if old is None else old
+            loss, _ = core_algos.get_policy_loss_fn("vanilla")(old_logp, logp, advantages, mask, "token-mean", config)
+            loss = loss - 0.01 * out.entropy.float().mean()
+            opt.zero_grad()
+            loss.backward()
+            outs.append((logp.detach(), out.entropy.detach().float(), loss.detach(),
+                         [p.grad.clone() for p in model.parameters()]))
+            opt.step()
+        (lp_t, ent_t, loss_t, grads_t), (lp_k, ent_k, loss_k, grads_k) = outs
+        assert lp_k.dtype == torch.float32
+        torch.testing.assert_close(lp_k, lp_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_k, ent_t, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads_k, grads_t):  # fp32 GEMMs of two heads: 1e-4 of the gradient's size
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * b.abs().max().item())
+        old = lp_t - 0.05
+    for a, b in zip(ours.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_importing_the_integration_imports_no_verl():
     code = ("import sys, kltriton.integrations.verl; "
             "sys.exit(int(any(m == 'verl' or m.startswith('verl.') for m in sys.modules)))")

@@ -1,20 +1,28 @@
-"""Shared by the TRL integration tests: tiny Llama models with random weights and a word-level tokenizer, built
-from a config and saved locally (no downloads)."""
+"""Shared by the TRL integration tests: tiny models built from configs (no downloads), a deterministic reward, a
+4-step GRPOTrainer run, and a GRPOTrainer whose ``_compute_loss`` can be called on a hand-made batch."""
+import math
+
 import torch
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "big", "small", "red", "blue", "and", "then"]
 
 
-def tiny_llama(path, seed=0, hidden_size=32):
-    """A 2-layer Llama with random weights (``seed``) and a word-level tokenizer, saved to ``path``."""
+def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]"] + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
-                                        unk_token="[UNK]")
+    return vocab, PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
+                                          unk_token="[UNK]")
+
+
+def tiny_llama(path, seed=0, hidden_size=32):
+    """A 2-layer Llama with random weights (``seed``) and a word-level tokenizer, saved to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, tokenizer = _tokenizer()
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=2,
@@ -22,3 +30,81 @@ def tiny_llama(path, seed=0, hidden_size=32):
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def tiny_mixtral(path):
+    """A 1-layer Mixtral (2 experts) that returns its router logits: TRL adds its load-balancing loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    vocab, tokenizer = _tokenizer()
+    config = MixtralConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           num_local_experts=2, num_experts_per_tok=1, output_router_logits=True,
+                           router_aux_loss_coef=0.01, pad_token_id=0, bos_token_id=2, eos_token_id=2,
+                           tie_word_embeddings=False)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def reward_cats(completions, **kwargs):
+    """Deterministic reward with spread inside every group: how often "cat" is said."""
+    return [float(c.split().count("cat")) - 0.1 * len(c.split()) for c in completions]
+
+
+def config(out_dir, **overrides):
+    from trl import GRPOConfig
+
+    base = dict(output_dir=str(out_dir), report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=4,
+                num_iterations=2,          # the second pass over a generation batch is off-policy: ratios move
+                learning_rate=0.05,        # big steps on purpose, so that some ratios leave [1 - eps, 1 + eps]
+                epsilon=0.1, beta=0.1, temperature=0.9, logging_steps=1, save_strategy="no",
+                disable_tqdm=True, dataloader_num_workers=0)
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["the cat sat on", "a dog ran and", "the big red", "then a small"] * 4})
+
+
+def train(model_dir, out_dir, **overrides):
+    """Run GRPOTrainer for 4 optimizer steps; return the per-step logs."""
+    from trl import GRPOTrainer
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_cats, args=config(out_dir, **overrides),
+                          train_dataset=dataset())
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+# Tolerances of a run. The two runs differ only in fp32 rounding: TRL's CPU head folds the vocab in torch,
+# kltriton streams it in its C++ kernel; per-token log-probs agree to ~1e-6, and Adam steps of 0.05 on a 2-layer
+# model carry that to ~1e-5 relative in the weights after 4 steps. Sampling sees the same seed, and a ~1e-6 shift
+# of a probability flips a sampled token with probability ~1e-6 per token, so the completions are the same.
+# Loss, kl, entropy: 1e-4 relative (+1e-6 absolute). grad_norm: 1e-3 relative (a norm over ~20k parameters after
+# 3 updates). policy_loss (the loss without the entropy bonus) is a sum of O(1) terms of both signs that can
+# nearly cancel: 1e-5 absolute, the loss's own scale. Fractions of clipped tokens (1/24 apart) must be equal up
+# to float noise, 1e-6: a single token clipped differently fails the test.
+TOLERANCES = {"loss": (1e-4, 1e-6), "kl": (1e-4, 1e-6), "entropy": (1e-4, 1e-6), "grad_norm": (1e-3, 1e-6),
+              "policy_loss": (1e-4, 1e-5), "vespo/phi_seq_mean": (1e-4, 1e-6), "entropy_coef": (1e-9, 1e-12)}
+FRACTION_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max", "cispo_clip_ratio")
+
+
+def assert_same_logs(trl_logs, kl_logs):
+    assert len(trl_logs) == len(kl_logs) == 4
+    for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
+        assert set(a) == set(b), (step, set(a) ^ set(b))
+        for key, (rtol, atol) in TOLERANCES.items():
+            if key in a:
+                assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), (step, key, a[key], b[key])
+        for key in FRACTION_KEYS:
+            if key in a:
+                assert (math.isnan(a[key]) and math.isnan(b[key])) or math.isclose(a[key], b[key], abs_tol=1e-6), \
+                    (step, key, a[key], b[key])
+        for key in ("reward", "reward_std", "num_tokens", "completions/mean_length"):  # at generation steps
+            assert a.get(key) == b.get(key), (step, "completions differ", key, a.get(key), b.get(key))

@@ -1,6 +1,6 @@
 """The loss derivative per row, written three times (``terms.SLOPES``, C++ ``row_g_logp``, Triton
-``_row_g_logp``), held against autograd through the formulas (``terms.objective``) in float64 and against
-each other, for every fused loss type and estimator.
+``_row_g_logp``), held against autograd through the formulas (``terms.token_terms`` / ``objective``) in float64
+and against each other, for every fused formula and estimator, with and without TRL's bias-corrected KL.
 
 Tolerances: the C++ and Triton kernels compute in float64 from fp32 inputs and round the result to fp32,
 so they agree with the float64 formula to a few fp32 ulps of the result (plus the fp32 rounding of the
@@ -15,43 +15,49 @@ from kltriton import dispatch, estimators
 from kltriton.kernels.loss import LossInputs, terms
 
 N = 257
-ESTIMATOR_NAMES = ("", "k1", "abs", "k2", "k3", "k1+", "k3+", "abs+")
+ESTIMATOR_NAMES = ("", "k1", "abs", "k2", "k3", "k1+", "k3+", "abs+", "full")
+# (on-policy, kl_clamp, kl_ratio, delta): the plain loss, a clamped bias-corrected KL with TRL's delta below the
+# clip's upper bound (both branches of the PPO max carry a gradient), and an on-policy bias-corrected KL.
+SETTINGS = ((False, float("inf"), 0.0, float("inf")), (False, 0.05, 1.0, 1.1), (True, float("inf"), 1.0, 1.5))
 
 
 def rows(seed, on_policy=False):
     """Log-probs with old log-probs around them (ratios on both sides of the clip range and beyond the
-    log-ratio clamp), advantages of both signs, and reference log-probs."""
+    log-ratio clamp), advantages of both signs, reference log-probs and full-KL values."""
     gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(N, generator=gen) * 6
+    logp[4:40] = -torch.rand(36, generator=gen) * 0.3  # likely tokens: DPPO's divergences leave the trust region
     jitter = torch.randn(N, generator=gen) * 0.3
     jitter[:4] = torch.tensor([25.0, -25.0, 0.0, 0.1])  # beyond the +-20 log-ratio clamp, a tie, a small step
     old = None if on_policy else logp - jitter
     adv = torch.randn(N, generator=gen)
     w = torch.rand(N, generator=gen)
     ref = logp + torch.randn(N, generator=gen) * 0.7
+    full_kl = torch.rand(N, generator=gen)
     inputs = LossInputs(old, adv, w, 0.1 * w, -0.01 * w, ref)
-    return logp, ref, inputs
+    return logp, ref, full_kl, inputs
 
 
-def hp(loss_type, kl_clamp):
+def hp(loss_type, kl_clamp, kl_ratio, delta):
     return terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28,
-                                 dual_clip=3.0 if loss_type == "ppo" else float("inf"), kl_clamp=kl_clamp)
+                                 dual_clip=3.0 if loss_type == "ppo" else None, kl_clamp=kl_clamp, kl_ratio=kl_ratio,
+                                 delta=delta, tau_pos=1.0, tau_neg=1.05, clip_ratio_c=1.2, dro_beta=0.3)
 
 
-def autograd_g_logp(loss_type, estimator, logp, ref, inputs, params):
+def autograd_g_logp(loss_type, estimator, logp, ref, full_kl, inputs, params):
     """d loss / d logp by autograd through ``terms.token_terms`` / ``objective`` in float64."""
     x = logp.double().requires_grad_()
     inputs64 = LossInputs(*(None if t is None else t.double() for t in inputs))
     old = inputs64.old_logp if inputs64.old_logp is not None else x.detach()
     est = estimators.parse(estimator) if estimator else None
-    token = terms.token_terms(loss_type, est, x, inputs64.ref_logp, None, old, inputs64.advantages, params,
-                              torch.ones(N, dtype=torch.bool))
+    token = terms.token_terms(loss_type, est, x, inputs64.ref_logp, full_kl.double(), old, inputs64.advantages,
+                              params, torch.ones(N, dtype=torch.bool))
     loss = terms.objective(token, torch.zeros_like(x), inputs64.w_pg, inputs64.w_kl, inputs64.w_ent).sum()
     return torch.autograd.grad(loss, x)[0]
 
 
 def implementations():
-    found = [("reference", lambda *a: _python(*a))]
+    found = [("reference", _python)]
     for backend in ("cpp", "triton"):
         usable, why = dispatch.availability(backend, "loss")
         if usable:
@@ -59,30 +65,43 @@ def implementations():
     return found
 
 
-def _python(logp, ref, inputs, params, loss_type, estimator):
+def _python(logp, ref, inputs, params, loss_type, estimator, full_kl):
     est = estimators.parse(estimator) if estimator else None
-    return terms.coefficients(loss_type, est, logp, ref, inputs, params)[0]
+    return terms.coefficients(loss_type, est, logp, ref, inputs, params, full_kl)[0]
 
 
-@pytest.mark.parametrize("on_policy", [False, True])
 @pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
 @pytest.mark.parametrize("loss_type", terms.FUSED)
-def test_three_implementations_agree_with_autograd(loss_type, estimator, on_policy):
-    logp, ref, inputs = rows(zlib.crc32(f"{loss_type}{estimator}{on_policy}".encode()), on_policy)
-    for kl_clamp in (float("inf"), 0.05):
-        params = hp(loss_type, kl_clamp)
-        want = autograd_g_logp(loss_type, estimator, logp, ref, inputs, params)
+def test_three_implementations_agree_with_autograd(loss_type, estimator):
+    for on_policy, kl_clamp, kl_ratio, delta in SETTINGS:
+        logp, ref, full_kl, inputs = rows(zlib.crc32(f"{loss_type}{estimator}{on_policy}".encode()), on_policy)
+        params = hp(loss_type, kl_clamp, kl_ratio, delta)
+        want = autograd_g_logp(loss_type, estimator, logp, ref, full_kl, inputs, params)
         # Ties of the clip's max (ratio exactly at a bound) split the gradient under autograd; none here.
         for name, coefficients in implementations():
-            got = coefficients(logp, ref, inputs, params, loss_type, estimator)
+            got = coefficients(logp, ref, inputs, params, loss_type, estimator, full_kl)
             assert_close(got, want, atol=1e-6 * (1 + want.abs().max().item()), rtol=4e-7,
-                         what=f"{name} {loss_type} {estimator!r} clamp={kl_clamp}")
+                         what=f"{name} {loss_type} {estimator!r} clamp={kl_clamp} kl_ratio={kl_ratio} "
+                              f"on_policy={on_policy}")
+
+
+def test_the_cases_are_not_trivial():
+    """Every fused formula's slope takes zero and nonzero values on these rows (a clip, a dual clip, a trust
+    region or a truncation is hit somewhere), so the parity test can fail."""
+    logp, ref, full_kl, inputs = rows(1)
+    for loss_type in terms.FUSED:
+        got = _python(logp, ref, inputs, hp(loss_type, float("inf"), 0.0, 1.1), loss_type, "", full_kl)
+        ratio = torch.exp(logp - inputs.old_logp)
+        slope = got / (inputs.w_pg * inputs.advantages)
+        assert (got != 0).sum() > N // 4, loss_type
+        if loss_type not in ("gpg", "dro", "sapo"):  # these have no flat region
+            assert (got == 0).any() or not torch.allclose(slope.abs(), ratio), loss_type
 
 
 def test_fused_names_are_implemented_everywhere():
-    """Every fused loss type has a slope in Python; the kernels reject an unknown name clearly."""
+    """Every fused formula has a slope in Python; the kernels reject an unknown name clearly."""
     assert set(terms.SLOPES) == set(terms.FUSED)
-    logp, ref, inputs = rows(0)
+    logp, ref, full_kl, inputs = rows(0)
     for name, coefficients in implementations()[1:]:
         with pytest.raises(Exception, match="loss_type|LOSS_TYPE|gspo"):
-            coefficients(logp, ref, inputs, hp("ppo", float("inf")), "gspo", "")
+            coefficients(logp, ref, inputs, hp("ppo", float("inf"), 0.0, float("inf")), "gspo", "", full_kl)

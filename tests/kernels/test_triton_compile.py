@@ -6,8 +6,8 @@ target without a device, so every kernel variant is compiled here in a subproces
 interpreter is switched on for the rest of the suite), with the launch settings ``forward`` /
 ``backward`` use (``benchmarks/static.py``), for every dtype at a vocab that splits rows across
 programs (the combine kernel too) and is not a multiple of 16; a reference in another dtype than
-the policy; the loss family's fused kernel (its ``STATIC_VARIANTS``) and scaling kernel; the truncation
-family's kernels.
+the policy; the loss family's fused kernel (its ``STATIC_VARIANTS`` and every other fused formula), the entropy mask's
+accumulate kernel and the scaling kernel; the truncation family's kernels.
 ``test_static_report.py`` covers aligned vocabs.
 """
 import os
@@ -36,6 +36,14 @@ COMPILE_ALL = textwrap.dedent('''
                 constants = dict(launch.constexprs, **{a: None for a in absent})
                 static.compile_kernel(getattr(tl_loss, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
                 count += 1
+    # The fused formulas that STATIC_VARIANTS leaves out, with TRL's bias-corrected KL (a runtime value).
+    others = tuple((f, False, f, "k1", False) for f in tl_loss.terms.FUSED
+                   if f not in {v[2] for v in tl_loss.STATIC_VARIANTS})
+    for name, launch, variant, absent in tl_loss.launches(32000, 4, others):
+        if name == "_loss_forward_kernel":
+            constants = dict(launch.constexprs, **{a: None for a in absent})
+            static.compile_kernel(tl_loss._loss_forward_kernel, "fp32", 32000, constants, launch.options, 90)
+            count += 1
     for dtype in ("fp32", "bf16", "fp16"):
         kernel = tl_loss._scale_kernel
         signature = {"grad_ptr": "*" + dtype, "upstream_ptr": "*fp32", "numel": "i64", "BLOCK": "constexpr"}
@@ -51,8 +59,8 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     # Per dtype: 6 forward variants, their 6 combine kernels, 3 backward variants, the fused loss
-    # kernel's 4 STATIC_VARIANTS, the truncation family's 4 forward and 2 backward variants (75); mixed
-    # reference dtypes: forward with a reference and the backward with the log q term for 3 pairs, plus
-    # the combine kernel of the fp32 policy (V = 32000 splits there) (7), and the loss kernel's 2 variants
-    # with reference logits for 3 pairs (6); the scale kernel (3).
+    # kernel's 6 STATIC_VARIANTS and the entropy mask's 2 accumulate variants, the truncation family's 4 forward
+    # and 2 backward variants (75); mixed reference dtypes: forward with a reference and the backward with the log
+    # q term for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits there) (7), and the loss
+    # kernel's 3 variants with reference logits for 3 pairs (9); the 3 other fused formulas (3); the scale kernel (3).
     assert "compiled 91" in done.stdout

@@ -110,7 +110,8 @@ def oracle(x, d, cfg):
     loss = agg(pgm) + cfg.get("kl_coef", 0.0) * agg(klm) - cfg.get("entropy_coef", 0.0) * agg(entropy)
     mean = lambda t: (t.double() * m).sum() / m.sum().clamp(min=1)  # noqa: E731
     metrics = {"clipfrac": mean(clipped), "clipfrac_lower": mean(lower), "ppo_kl": mean(neg_kl),
-               "kl_mean": mean(kl), "entropy_mean": mean(entropy),
+               "kl_mean": mean(kl), "entropy_mean": mean(entropy), "pg_loss": agg(pgm), "kl_loss": agg(klm),
+               "entropy_loss": agg(entropy),
                "ratio_max": ratio[d.mask].max(), "ratio_min": ratio[d.mask].min(), **metrics_is}
     outputs = {"logprobs": logp * m, "ref_logprobs": rlp * m, "kl": kl * m, "entropy": entropy * m, "ratio": ratio * m}
     return loss, outputs, metrics
@@ -352,19 +353,21 @@ def test_no_grad_writes_no_gradient(backend):
     assert not out.loss.requires_grad
 
 
-def fused_args(backend, with_grad=True):
+def fused_args(backend, with_grad=True, quantile=None):
     d = batch()
     target = torch.where(d.mask, d.labels, -1).reshape(-1)
     n = target.numel()
     w = torch.rand(n)
     hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0)
+    q = None if quantile is None else torch.tensor(quantile, dtype=torch.float64)
     return (d.logits.clone().requires_grad_(), d.ref, target, torch.tensor(1.0, dtype=torch.float64),
-            d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, -0.01 * w, None, hp, "ppo", "k3", True,
-            with_grad, backend)
+            d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, (-0.01 if q is None else 0.0) * w, None, hp, "ppo",
+            "k3", q is None, with_grad, True, q, backend)
 
 
+@pytest.mark.parametrize("quantile", [None, 0.6])
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
-def test_opcheck(backend_name):
+def test_opcheck(backend_name, quantile):
     usable, why = kltriton.dispatch.availability(backend_name, "loss")
     if not usable:
         pytest.skip(why)
@@ -372,7 +375,7 @@ def test_opcheck(backend_name):
     # `grad` in place (no copy), which that test sees as an output that differs from the compiled
     # one. Under torch.compile the backward scales out of place; test_compile_fullgraph_matches_eager
     # checks its values and gradients.
-    torch.library.opcheck(loss_forward, fused_args(backend_name),
+    torch.library.opcheck(loss_forward, fused_args(backend_name, quantile=quantile),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     torch.library.opcheck(loss_scale_, (torch.randn(5, 7), torch.tensor(0.5), backend_name))
 
@@ -400,7 +403,7 @@ def test_compile_fullgraph_matches_eager(compiler):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(loss_type="grpo"), ValueError, "loss_type"),
+    (dict(loss_type="bogus"), ValueError, "loss_type"),
     (dict(aggregation="mean"), ValueError, "aggregation"),
     (dict(is_mode="token_truncate"), ValueError, "rollout_logprobs"),
     (dict(is_mode="bogus"), ValueError, "is_mode"),
@@ -512,7 +515,7 @@ def linear_fused_args(backend):
     scalar = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     return (d.hidden.clone().requires_grad_(), d.weight.clone().requires_grad_(), d.bias, scalar(0.5), scalar(20.0),
             d.hidden, d.ref_weight, None, None, None, target, scalar(1.0), d.old.reshape(-1), d.adv.reshape(-1), w,
-            0.1 * w, -0.01 * w, None, hp, "ppo", "full", True, True, True, False, 40 * 151, backend)
+            0.1 * w, -0.01 * w, None, hp, "ppo", "full", True, True, True, False, 40 * 151, True, None, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp"])
@@ -520,7 +523,12 @@ def test_linear_opcheck(backend_name):
     usable, why = kltriton.dispatch.availability(backend_name, "linear")
     if not usable:
         pytest.skip(why)
-    torch.library.opcheck(linear_loss_forward, linear_fused_args(backend_name),
+    args = linear_fused_args(backend_name)
+    torch.library.opcheck(linear_loss_forward, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    masked = list(args)
+    masked[16], masked[21], masked[-2] = 0.0 * masked[16], False, torch.tensor(0.5, dtype=torch.float64)
+    torch.library.opcheck(linear_loss_forward, tuple(masked),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

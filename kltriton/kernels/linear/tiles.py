@@ -242,16 +242,16 @@ def bind_loss(loss):
     """``loss_forward`` of the ``linear`` family on top of the ``loss`` module ``loss``."""
 
     def loss_forward(policy, ref, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, want_x,
-                     want_weight, want_bias, tile_elements):
+                     want_weight, want_bias, tile_elements, with_entropy=True):
         acc = accumulation_dtype(policy.x.dtype)
-        stats = statistics.empty_stats(target.numel(), loss_wanted(ref is not None, estimator),
+        stats = statistics.empty_stats(target.numel(), loss_wanted(ref is not None, estimator, with_entropy),
                                        lambda size: torch.zeros(size, dtype=acc, device=target.device))
         with_grad = want_x or want_weight or want_bias
 
         def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
             part, grad = loss.forward(tile, ref_tile, local, temp, tile_in, hp, loss_type, estimator, entropy_grad,
-                                      with_grad)
+                                      with_grad, with_entropy)
             for dst, src in zip(stats, part):
                 if dst.numel():
                     dst[idx] = src[:m]

@@ -13,26 +13,34 @@ writes the logits gradient. Two routes, one contract:
   read from memory once. The cases a kernel does not take (C++: a reference in another dtype; Triton: no
   gradient wanted) run ``composed`` on the backend's own stream kernels.
 
-Loss types whose derivative needs whole sequences (``gspo``) are not members: ``kltriton.route`` sends them
-to the two-pass route (statistics, formulas, autograd).
+Loss types whose derivative needs whole sequences or batch statistics (``terms.SEQUENCE``, ``terms.BATCH``)
+are not members: ``kltriton.route`` sends them to the two-pass route (statistics, formulas, autograd). The
+entropy mask (``masked.py``) runs a member's kernel, then ``accumulate_`` on the kept rows.
 
 Each backend module provides:
 
 ``forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator,
-entropy_grad, with_grad) -> (StreamStats, grad)``
+entropy_grad, with_grad, with_entropy=True) -> (StreamStats, grad)``
     logits, ref_logits, target, temperature: as in ``kltriton.kernels.stream``.
     inputs:      ``LossInputs`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``.
     hyperparameters: float64 vector, slots ``constants.HYPERPARAMETERS`` (``terms.hyperparameters``). Data,
                  so new values never recompile.
-    loss_type:   a name of ``terms.FUSED``.
+    loss_type:   a formula of ``terms.FUSED``.
     estimator:   ``""`` (no KL term) or an estimator's canonical name (``kltriton.estimators``).
     entropy_grad: whether ``inputs.w_ent`` may be nonzero (the entropy term of the gradient is skipped
                  otherwise).
     with_grad:   write the gradient; otherwise ``grad`` is ``[0, V]``.
+    with_entropy: compute the entropy (False: no entropy work; ``entropy`` is ``[0]``; needs ``entropy_grad``
+                 False).
     The loss is ``sum_n objective_n`` (``terms.objective``). Returns ``StreamStats`` (``[N]``, statistics
     dtype: ``logp``, ``lse``, ``entropy``; the reference pair with ``ref_logits``; ``full_kl`` for the ``"full"``
     estimator) and ``grad``: ``d loss / d logits``, contiguous ``[N, V]`` in ``logits.dtype``, zero on rows
     with ``target < 0`` or without a distribution.
+
+``accumulate_(grad, logits, target, temperature, lse, basis) -> None``
+    ``grad += `` the gradient on ``basis`` (``kltriton.kernels.statistics.Basis``, the ``label``, ``p`` and
+    optional ``p_logp`` terms) of the rows with ``target >= 0``, a finite ``lse`` and a nonzero coefficient;
+    the other rows are neither read nor written (the entropy mask's last pass, ``masked.py``).
 
 ``scale_(grad, upstream) -> None``
     ``grad *= upstream`` in place (``upstream`` 0-dim on the same device). When ``upstream`` is exactly
@@ -55,10 +63,10 @@ class LossInputs(NamedTuple):
     ref_logp: Optional[torch.Tensor]   # given reference log-probs (None with ref_logits or no KL)
 
 
-def wanted(has_ref_logits: bool, estimator: str) -> int:
-    """The statistics a loss forward computes: entropy always, the reference pair with reference logits,
-    the full KL for the ``"full"`` estimator."""
-    return statistics.request(entropy=True, ref=has_ref_logits, full_kl=estimator == "full")
+def wanted(has_ref_logits: bool, estimator: str, entropy: bool = True) -> int:
+    """The statistics a loss forward computes: the entropy unless told not to, the reference pair with reference
+    logits, the full KL for the ``"full"`` estimator."""
+    return statistics.request(entropy=entropy, ref=has_ref_logits, full_kl=estimator == "full")
 
 
 __all__ = ["LossInputs", "constants", "wanted"]

@@ -7,9 +7,14 @@ from kltriton.kernels.loss import composed
 from kltriton.kernels.stream import reference as stream
 
 
-def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad):
+def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad,
+            with_entropy=True):
     return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
-                            entropy_grad, with_grad)
+                            entropy_grad, with_grad, with_entropy)
+
+
+def accumulate_(grad, logits, target, temperature, lse, basis):
+    composed.accumulate_(stream, grad, logits, target, temperature, lse, basis)
 
 
 def scale_(grad, upstream):

@@ -34,12 +34,20 @@ HP_RATIO_LOW = tl.constexpr(terms.SLOT["ratio_low"])
 HP_RATIO_HIGH = tl.constexpr(terms.SLOT["ratio_high"])
 HP_DUAL_CLIP = tl.constexpr(terms.SLOT["dual_clip"])
 HP_KL_CLAMP = tl.constexpr(terms.SLOT["kl_clamp"])
+HP_DELTA = tl.constexpr(terms.SLOT["delta"])
+HP_TAU_POS = tl.constexpr(terms.SLOT["tau_pos"])
+HP_TAU_NEG = tl.constexpr(terms.SLOT["tau_neg"])
+HP_CLIP_RATIO_C = tl.constexpr(terms.SLOT["clip_ratio_c"])
+HP_DRO_BETA = tl.constexpr(terms.SLOT["dro_beta"])
+HP_KL_RATIO = tl.constexpr(terms.SLOT["kl_ratio"])
 
 # (variant, reference logits, loss type, estimator, entropy gradient) compiled by benchmarks/static.py:
 # the lightest kernel, the usual GRPO one, the heaviest (full KL: the reference read in both passes),
-# and reference log-probs given per row with CISPO.
+# reference log-probs given per row with CISPO, SAPO's sigmoid gate, and DPPO's binary-KL trust region
+# (float64 logs) with the full KL. tests/kernels/test_triton_compile.py compiles the other formulas too.
 STATIC_VARIANTS = (("ppo", False, "ppo", "", False), ("ppo+ref+k3+ent", True, "ppo", "k3", True),
-                   ("ppo+ref+full+ent", True, "ppo", "full", True), ("cispo+rlogp+k3+", False, "cispo", "k3+", False))
+                   ("ppo+ref+full+ent", True, "ppo", "full", True), ("cispo+rlogp+k3+", False, "cispo", "k3+", False),
+                   ("sapo+rlogp+k3", False, "sapo", "k3", False), ("dppo_kl+ref+full", True, "dppo_kl", "full", False))
 
 
 @triton.jit
@@ -58,58 +66,107 @@ def _scale_kernel(
 
 
 @triton.jit
-def _row_g_logp(row, logp, ref_logp, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr, LOSS_TYPE: tl.constexpr,
-                ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr):
-    """``d loss / d logp`` (float64) of one row: the derivative of ``w_pg * pg + w_kl * kl`` (``terms.py``;
-    C++ ``row_g_logp``). ``old_logp_ptr`` None: on-policy (old = logp)."""
+def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
+    """``d pg / d logp`` (float64) of one row before its weight ``w_pg`` (``terms.SLOPES``; C++ ``pg_slope``)."""
+    ratio = tl.exp(tr.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    d_ratio = tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, ratio, 0.0)
+    low = tl.load(hp_ptr + HP_RATIO_LOW)
+    high = tl.load(hp_ptr + HP_RATIO_HIGH)
+    if LOSS_TYPE == "ppo":  # max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
+        delta = tl.load(hp_ptr + HP_DELTA)
+        pg1 = -adv * tl.minimum(ratio, delta)
+        pg2 = -adv * tr.clamp(ratio, low, high)
+        g_ratio = tl.where(pg1 >= pg2, tl.where(ratio <= delta, -adv, 0.0),
+                           tl.where((ratio >= low) & (ratio <= high), -adv, 0.0))
+        held = (adv < 0) & (tl.maximum(pg1, pg2) > -adv * tl.load(hp_ptr + HP_DUAL_CLIP))
+        slope = tl.where(held, 0.0, g_ratio) * d_ratio
+    elif LOSS_TYPE == "cispo":  # -sg(clip(ratio)) * A * logp
+        slope = -tr.clamp(ratio, low, high) * adv
+    elif LOSS_TYPE == "sapo":  # -A * 4 sigmoid(tau (r - 1)) / tau
+        tau = tl.where(adv > 0, tl.load(hp_ptr + HP_TAU_POS), tl.load(hp_ptr + HP_TAU_NEG))
+        sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
+        slope = -adv * 4.0 * sig * (1.0 - sig) * d_ratio
+    elif LOSS_TYPE == "clipped_ratio":  # -clip(r) * A, through the ratio inside the range
+        slope = tl.where((ratio >= low) & (ratio <= high), -adv * d_ratio, 0.0)
+    elif LOSS_TYPE == "gpg":  # -logp * A
+        slope = -adv
+    elif LOSS_TYPE == "dro":  # -(logp A - beta / 2 (logp - old)^2)
+        slope = -adv + tl.load(hp_ptr + HP_DRO_BETA) * d
+    else:  # dppo_tv / dppo_kl: -A * sg(min(r, clip_ratio_c)) * logp inside the divergence trust region
+        clip_low = 1.0 - low
+        clip_high = high - 1.0
+        p = tl.exp(lp)
+        p_old = tl.exp(old)
+        if LOSS_TYPE == "dppo_tv":
+            valid = tl.where(adv > 0, (p - p_old) <= clip_high, (p - p_old) >= -clip_low)
+        else:
+            div = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+            valid = tl.where(adv > 0, (div <= clip_high) | (p <= p_old), (div <= clip_low) | (p >= p_old))
+        slope = tl.where(valid, -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_CLIP_RATIO_C)), 0.0)
+    return slope
+
+
+@triton.jit
+def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr,
+                LOSS_TYPE: tl.constexpr, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr):
+    """``(d loss / d logp, d loss / d full_kl)`` (float64) of one row: the derivative of ``w_pg * pg + w_kl * kl``
+    (times the ratio with ``kl_ratio``: ``kl' r + kl dr``; ``terms.py``; C++ ``row_g_logp``). ``old_logp_ptr``
+    None: on-policy (old = logp)."""
     lp = logp.to(tl.float64)
     old = lp
     if old_logp_ptr is not None:
         old = tl.load(old_logp_ptr + row).to(tl.float64)
     adv = tl.load(adv_ptr + row).to(tl.float64)
-    w_pg = tl.load(w_pg_ptr + row).to(tl.float64)
     d = (lp - old).to(tl.float32).to(tl.float64)  # the fp32 difference, as the other backends
-    ratio = tl.exp(tr.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    clipped = tr.clamp(ratio, tl.load(hp_ptr + HP_RATIO_LOW), tl.load(hp_ptr + HP_RATIO_HIGH))
-    if LOSS_TYPE == "ppo":
-        pg1 = -adv * ratio
-        pg2 = -adv * clipped
-        g_ratio = tl.where(pg1 >= pg2, -adv, 0.0)
-        # The dual clip holds the loss constant for a negative advantage.
-        held = (adv < 0) & (tl.maximum(pg1, pg2) > -adv * tl.load(hp_ptr + HP_DUAL_CLIP))
-        g_ratio = tl.where(held, 0.0, g_ratio)
-        g_logp = w_pg * g_ratio * tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, ratio, 0.0)
-    else:  # cispo: -sg(clip(ratio)) * A * logp
-        g_logp = -w_pg * clipped * adv
-    if ESTIMATOR != "" and ESTIMATOR != "full":
-        dk = lp - ref_logp.to(tl.float64)
-        if ESTIMATOR == "k1":
-            value = dk
-            slope = 1.0
-        elif ESTIMATOR == "abs":
-            value = tl.abs(dk)
-            slope = tl.where(dk > 0, 1.0, tl.where(dk < 0, -1.0, 0.0))
-        elif ESTIMATOR == "k2":
-            value = 0.5 * dk * dk
-            slope = dk
-        else:  # k3: exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
-            slope = 1.0 - tl.exp(-dk)
-            value = dk - slope
-        slope = tl.where(tl.abs(value) > tl.load(hp_ptr + HP_KL_CLAMP), 0.0, slope)
-        if STRAIGHT:  # "k3+": the value of the estimator, the gradient of k2
-            slope = dk
-        g_logp += tl.load(w_kl_ptr + row).to(tl.float64) * slope
-    return g_logp
+    g_logp = tl.load(w_pg_ptr + row).to(tl.float64) * _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE)
+    g_full_kl = g_logp * 0.0
+    if ESTIMATOR != "":
+        ratio = tl.exp(tr.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        d_ratio = tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, ratio, 0.0)
+        corrected = tl.load(hp_ptr + HP_KL_RATIO) != 0.0
+        weight = tl.where(corrected, ratio, 1.0)
+        w_kl = tl.load(w_kl_ptr + row).to(tl.float64)
+        kl_clamp = tl.load(hp_ptr + HP_KL_CLAMP)
+        if ESTIMATOR == "full":  # the full KL's own gradient goes through its statistic; 0 where clamped
+            fkl = full_kl.to(tl.float64)
+            g_full_kl = tl.where(tl.abs(fkl) > kl_clamp, 0.0, w_kl * weight)
+            g_logp += tl.where(corrected, w_kl * tr.clamp(fkl, -kl_clamp, kl_clamp) * d_ratio, 0.0)
+        else:
+            dk = lp - ref_logp.to(tl.float64)
+            if ESTIMATOR == "k1":
+                value = dk
+                slope = 1.0
+            elif ESTIMATOR == "abs":
+                value = tl.abs(dk)
+                slope = tl.where(dk > 0, 1.0, tl.where(dk < 0, -1.0, 0.0))
+            elif ESTIMATOR == "k2":
+                value = 0.5 * dk * dk
+                slope = dk
+            else:  # k3: exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
+                slope = 1.0 - tl.exp(-dk)
+                value = dk - slope
+            slope = tl.where(tl.abs(value) > kl_clamp, 0.0, slope)
+            value = tr.clamp(value, -kl_clamp, kl_clamp)
+            if STRAIGHT:  # "k3+": the value of the estimator, the gradient of k2
+                slope = dk
+            g_logp += w_kl * (slope * weight + tl.where(corrected, value * d_ratio, 0.0))
+    return g_logp, g_full_kl
 
 
 @triton.jit
-def _coefficients_kernel(logp_ptr, ref_logp_ptr, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr, out_ptr,
-                         LOSS_TYPE: tl.constexpr, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr):
-    """Grid ``(N,)``: ``_row_g_logp`` of each row (for the parity test of the three implementations)."""
-    row = tl.program_id(0)
-    g = _row_g_logp(row, tl.load(logp_ptr + row), tl.load(ref_logp_ptr + row), old_logp_ptr, adv_ptr, w_pg_ptr,
-                    w_kl_ptr, hp_ptr, LOSS_TYPE, ESTIMATOR, STRAIGHT)
-    tl.store(out_ptr + row, g.to(tl.float32))
+def _coefficients_kernel(logp_ptr, ref_logp_ptr, full_kl_ptr, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr,
+                         out_ptr, n, LOSS_TYPE: tl.constexpr, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK),)``: ``_row_g_logp`` of ``BLOCK`` rows per program, elementwise (for the parity
+    test of the three implementations)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.minimum(offs, n - 1)  # the helpers load unmasked: rows past N repeat the last one, never stored
+    full_kl = tl.load(logp_ptr + row) * 0.0
+    if full_kl_ptr is not None:
+        full_kl = tl.load(full_kl_ptr + row)
+    g, _ = _row_g_logp(row, tl.load(logp_ptr + row), tl.load(ref_logp_ptr + row), full_kl, old_logp_ptr, adv_ptr,
+                       w_pg_ptr, w_kl_ptr, hp_ptr, LOSS_TYPE, ESTIMATOR, STRAIGHT)
+    tl.store(out_ptr + offs, g.to(tl.float32), mask=offs < n)
 
 
 @triton.jit
@@ -119,6 +176,42 @@ def _zero_row(grad_ptr, row, vocab, BLOCK_V: tl.constexpr):
     for start in range(0, vocab, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=offs < vocab)
+
+
+@triton.jit
+def _accumulate_kernel(
+    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
+    target_ptr,                 # [N] int64
+    lse_ptr,                    # [N] fp32
+    c_label_ptr, c_p_ptr, c_p_logp_ptr,  # [N] fp32 basis (c_p_logp None: no such term)
+    grad_ptr,                   # [N, V] contiguous, logits dtype, updated in place
+    vocab,
+    temperature_ptr, temperature_stride,
+    TERMS: tl.constexpr,        # constants.P_LOGP when c_p_logp is given, else 0
+    BLOCK_V: tl.constexpr,
+):
+    """Grid ``(N,)``: ``grad[row] +=`` the row's gradient on the basis; a row with nothing to add is not read."""
+    row = tl.program_id(0)
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    c_label = tl.load(c_label_ptr + row)
+    c_p = tl.load(c_p_ptr + row)
+    c_p_logp = c_p * 0.0
+    if TERMS != 0:
+        c_p_logp = tl.load(c_p_logp_ptr + row)
+    live = (c_label != 0.0) | (c_p != 0.0) | (c_p_logp != 0.0)
+    if (target >= 0) & (lse > tr.NEG_INF) & (lse < float("inf")) & live:
+        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        grad_row = grad_ptr + row.to(tl.int64) * vocab
+        basis = (c_label, c_p, c_p_logp, c_p * 0.0)
+        for start in range(0, vocab, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            in_vocab = offs < vocab
+            x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+            grad = tr.grad_block(x, x, offs, target, lse, lse, basis, inv_temperature, TERMS)
+            before = tl.load(grad_row + offs, mask=in_vocab, other=0.0).to(tl.float32)
+            tl.store(grad_row + offs, (before + grad).to(grad_ptr.dtype.element_ty), mask=in_vocab)
 
 
 @triton.jit
@@ -161,13 +254,10 @@ def _loss_forward_kernel(
             rlp = ref_logp
             if given_ref_logp_ptr is not None:
                 rlp = tl.load(given_ref_logp_ptr + row)
-            g_logp = _row_g_logp(row, logp, rlp, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr, LOSS_TYPE,
-                                 ESTIMATOR, STRAIGHT).to(tl.float32)
-            g_full_kl = 0.0
-            if WITH_FULL_KL:
-                g_full_kl = tl.load(w_kl_ptr + row)
-            basis = tr.loss_basis(g_logp, tl.load(w_ent_ptr + row), entropy, g_full_kl, full_kl, inv_temperature,
-                                  ENTROPY_GRAD, WITH_FULL_KL)
+            g_logp, g_full_kl = _row_g_logp(row, logp, rlp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr,
+                                            LOSS_TYPE, ESTIMATOR, STRAIGHT)
+            basis = tr.loss_basis(g_logp.to(tl.float32), tl.load(w_ent_ptr + row), entropy,
+                                  g_full_kl.to(tl.float32), full_kl, inv_temperature, ENTROPY_GRAD, WITH_FULL_KL)
             grad_row = grad_ptr + row.to(tl.int64) * vocab
             last = (vocab - 1) // BLOCK_V * BLOCK_V
             # The row again, last block first: the most recently read bytes are the likeliest still in L2.
@@ -188,22 +278,27 @@ def _loss_forward_kernel(
         _zero_row(grad_ptr, row, vocab, BLOCK_V)
 
 
-def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimator: str, entropy_grad: bool):
+def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimator: str, entropy_grad: bool,
+            with_entropy: bool = True):
     """The fused kernel's Launch: the stream forward's tile (never split: one program per row) and the
     stream backward's block, both from ``V`` and the dtype only; the loss type and estimator."""
     est = estimators.parse(estimator) if estimator else None
     tile = tr.forward_tile(vocab, elem_bytes, has_ref)
-    constexprs = dict(WANT=wanted(has_ref, estimator), LOSS_TYPE=loss_type, ESTIMATOR=est.base if est else "",
+    constexprs = dict(WANT=wanted(has_ref, estimator, with_entropy), LOSS_TYPE=loss_type, ESTIMATOR=est.base if est else "",
                       STRAIGHT=bool(est and est.straight_through), ENTROPY_GRAD=bool(entropy_grad),
                       SUBTILES=tile.constexprs["SUBTILES"], LANES=tile.constexprs["LANES"],
                       VEC=tile.constexprs["VEC"], BLOCK_V=tr.backward_block(vocab))
     return tr.Launch(constexprs, tr.options(), tile.elements_per_iteration)
 
 
-def launches(vocab: int, elem_bytes: int):
-    """(kernel name, Launch, variant, absent arguments) of ``STATIC_VARIANTS`` (for ``benchmarks/static.py``)."""
-    out = []
-    for variant, has_ref, loss_type, estimator, entropy_grad in STATIC_VARIANTS:
+def launches(vocab: int, elem_bytes: int, variants=STATIC_VARIANTS):
+    """(kernel name, Launch, variant, absent arguments) of ``variants`` and of the entropy mask's
+    ``_accumulate_kernel`` (for ``benchmarks/static.py``)."""
+    block = tr.backward_block(vocab)
+    out = [("_accumulate_kernel", tr.Launch(dict(TERMS=terms_, BLOCK_V=block), tr.options(), block), name,
+            [] if terms_ else ["c_p_logp_ptr"])
+           for name, terms_ in (("accumulate", 0), ("accumulate+plogp", constants.P_LOGP))]
+    for variant, has_ref, loss_type, estimator, entropy_grad in variants:
         launch = _launch(vocab, elem_bytes, has_ref, loss_type, estimator, entropy_grad)
         want = launch.constexprs["WANT"]
         absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(want, s)]
@@ -213,21 +308,22 @@ def launches(vocab: int, elem_bytes: int):
     return out
 
 
-def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad):
+def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad,
+            with_entropy=True):
     _check_fused(loss_type)
     if not with_grad:
         return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
-                                entropy_grad, with_grad)
+                                entropy_grad, with_grad, with_entropy)
     n, vocab = num_rows(logits), logits.shape[-1]
     has_ref = ref_logits is not None
-    stats = statistics.empty_stats(n, wanted(has_ref, estimator),
+    stats = statistics.empty_stats(n, wanted(has_ref, estimator, with_entropy),
                                    lambda size: torch.empty(size, dtype=torch.float32, device=logits.device))
     grad = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
     if n == 0:
         return stats, grad
     f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()  # noqa: E731
     given_ref = inputs.ref_logp if estimator not in ("", "full") and not has_ref else None
-    launch = _launch(vocab, logits.element_size(), has_ref, loss_type, estimator, entropy_grad)
+    launch = _launch(vocab, logits.element_size(), has_ref, loss_type, estimator, entropy_grad, with_entropy)
     _loss_forward_kernel[(n,)](
         *tr.view_args(logits.detach()), *tr.view_args(None if ref_logits is None else ref_logits.detach()),
         target, *(value if value.numel() else None for value in stats), grad, f32(inputs.old_logp),
@@ -242,18 +338,30 @@ def _check_fused(loss_type):
         raise ValueError(f"no fused Triton kernel for loss_type {loss_type!r} (fused: {terms.FUSED})")
 
 
-def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator):
+def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator, full_kl=None):
     """``d loss / d logp`` per row from ``_row_g_logp`` (for the parity test of the three implementations)."""
     _check_fused(loss_type)
     est = estimators.parse(estimator) if estimator else None
     f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()  # noqa: E731
     out = torch.empty_like(f32(logp))
     if out.numel():
-        _coefficients_kernel[(out.numel(),)](
-            f32(logp), f32(ref_logp), f32(inputs.old_logp), f32(inputs.advantages), f32(inputs.w_pg),
-            f32(inputs.w_kl), hp.to(torch.float64).contiguous(), out, LOSS_TYPE=loss_type,
-            ESTIMATOR=est.base if est else "", STRAIGHT=bool(est and est.straight_through))
+        block = 256
+        _coefficients_kernel[(triton.cdiv(out.numel(), block),)](
+            f32(logp), f32(ref_logp), f32(full_kl), f32(inputs.old_logp), f32(inputs.advantages), f32(inputs.w_pg),
+            f32(inputs.w_kl), hp.to(torch.float64).contiguous(), out, out.numel(), LOSS_TYPE=loss_type,
+            ESTIMATOR=est.base if est else "", STRAIGHT=bool(est and est.straight_through), BLOCK=block)
     return out
+
+
+def accumulate_(grad, logits, target, temperature, lse, basis):
+    n, vocab = target.numel(), logits.shape[-1]
+    if n == 0:
+        return
+    f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()  # noqa: E731
+    _accumulate_kernel[(n,)](
+        *tr.view_args(logits.detach()), target, f32(lse), f32(basis.label), f32(basis.p), f32(basis.p_logp), grad,
+        vocab, temperature, 1 if temperature.dim() else 0, TERMS=constants.P_LOGP if basis.p_logp is not None else 0,
+        BLOCK_V=tr.backward_block(vocab), **tr.options())
 
 
 def scale_(grad, upstream):
