@@ -39,7 +39,7 @@ def _reward_cats(completions, **kwargs):
     return [float(c.split().count("cat")) - 0.1 * len(c.split()) for c in completions]
 
 
-def _train(model_dir, out_dir, **overrides):
+def _train(model_dir, out_dir, peft_config=None, **overrides):
     """Run GRPOTrainer for 4 optimizer steps; return the per-step logs."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -54,7 +54,8 @@ def _train(model_dir, out_dir, **overrides):
         use_bias_correction_kl=False,  # TRL's default (True) weights the KL by the ratio: no kltriton equivalent
         disable_tqdm=True, dataloader_num_workers=0, **overrides,
     )
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward_cats, args=args, train_dataset=dataset)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward_cats, args=args, train_dataset=dataset,
+                          peft_config=peft_config)
     trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log]
 
@@ -225,6 +226,19 @@ def test_truncation_switch_scores_the_sampled_distribution(model_dir, tmp_path, 
     assert None in heads.truncations  # the reference model (beta = 0.1) is scored untruncated
     assert len(losses.truncations) >= 4 and all(t is not None and t.top_k == top_k for t in losses.truncations)
     assert max(moved) > 1e-2  # the test can fail: truncation moved the log-probs the loss sees
+
+
+def test_truncation_switch_leaves_a_peft_reference_untruncated(model_dir, tmp_path, monkeypatch):
+    """With a LoRA adapter TRL scores the reference as the policy model with the adapter off (``use_adapter``):
+    those log-probs stay untruncated, the policy's are truncated."""
+    peft = pytest.importorskip("peft")
+    heads = _Recorder(monkeypatch, "token_logprobs")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with kl_trl.apply(truncation=True):
+        _train(model_dir, tmp_path / "lora", peft_config=lora, top_k=6)
+    # every call runs on the one (PEFT) model: only the reference's, under use_adapter, is untruncated
+    assert None in heads.truncations, heads.truncations
+    assert any(t is not None and t.top_k == 6 for t in heads.truncations), heads.truncations
 
 
 def test_importing_the_integration_imports_no_trl():
