@@ -16,6 +16,10 @@ distillation trainers their divergence.
   importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
   for a model kltriton's head does not serve (MoE router losses, multimodal inputs), with one log line per
   reason.
+- With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
+  and ``use_adapter``: the policy's log-probs (current and old, in the head and in the loss) are those of the
+  distribution sampled from, ``kltriton.Truncation`` of the config's ``top_k`` / ``top_p`` / ``min_p`` at its
+  ``temperature``; the reference model's stay untruncated (see ``sampling_truncation``).
 
 Distillation (``kltriton.token_divergence`` from the models' hidden states, never the ``[B, T, V]`` logits):
 
@@ -32,6 +36,8 @@ Distillation (``kltriton.token_divergence`` from the models' hidden states, neve
 A function rather than a trainer subclass: it also works for trainers built by TRL's CLI and for
 users' own ``GRPOTrainer`` subclasses. Nothing is imported before ``apply()`` is called.
 """
+import contextlib
+import contextvars
 import logging
 import types
 from typing import NamedTuple, Optional
@@ -75,11 +81,68 @@ def _install(patch: Patch) -> None:
     patch.set(grpo_trainer, "add_fused_lm_head", add_fused_lm_head)
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
     _install_distillation(patch)
+    if _switches["truncation"]:
+        _install_truncation(patch, grpo_trainer)
 
 
 _integration = Integration("TRL", _install, package="trl", extra="trl", tested="1.16.0")
-apply = _integration.apply
 undo = _integration.undo
+_switches = {"truncation": False}
+
+
+def apply(*, truncation: bool = False) -> Patch:
+    """Make ``trl.GRPOTrainer`` compute with kltriton (call it before building the trainer); returns the ``Patch``
+    (``.undo()``, or ``with apply(): ...``).
+
+    Args:
+        truncation: score the policy's log-probs under the config's sampling knobs (``top_k``, ``top_p``,
+            ``min_p`` at ``temperature``), as ``kltriton.Truncation``: the distribution the completions were
+            sampled from, not ``softmax(logits / T)``. Off by default: it changes TRL's numbers. Use it when the
+            rollout log-probs are the engine's processed ones (vLLM ``logprobs_mode="processed_logprobs"``).
+    """
+    _switches["truncation"] = bool(truncation)
+    return _integration.apply()
+
+
+# The Truncation the fused head applies to the call being scored (None: untruncated), set by the patched
+# _get_per_token_logps_and_entropies; True in _reference while TRL scores the reference through an adapter.
+_truncation = contextvars.ContextVar("kltriton_trl_truncation", default=None)
+_reference = contextvars.ContextVar("kltriton_trl_reference", default=False)
+
+
+def sampling_truncation(trainer) -> Optional["kltriton.Truncation"]:
+    """The ``kltriton.Truncation`` of a ``GRPOTrainer``'s sampling knobs, ``None`` when every knob is off."""
+    truncation = kltriton.Truncation(top_k=trainer.top_k, top_p=trainer.top_p, min_p=trainer.min_p)
+    return None if truncation.disabled else truncation
+
+
+def _install_truncation(patch: Patch, grpo_trainer) -> None:
+    """``apply(truncation=True)``: the policy's log-probs (not the reference's) are scored truncated."""
+    trainer_class = patch.resolve(grpo_trainer, "GRPOTrainer")
+    trl_logps = patch.resolve(trainer_class, "_get_per_token_logps_and_entropies")
+    trl_use_adapter = patch.resolve(grpo_trainer, "use_adapter")
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        policy = model is not self.ref_model and not _reference.get()
+        token = _truncation.set(sampling_truncation(self) if policy else None)
+        try:
+            return trl_logps(self, model, *args, **kwargs)
+        finally:
+            _truncation.reset(token)
+
+    @contextlib.contextmanager
+    def use_adapter(model, adapter_name):  # TRL scores the reference as the policy model with another adapter
+        token = _reference.set(True)
+        try:
+            with trl_use_adapter(model, adapter_name):
+                yield
+        finally:
+            _reference.reset(token)
+
+    patch.set(trainer_class, "_get_per_token_logps_and_entropies", _get_per_token_logps_and_entropies)
+    patch.swap("trl", trl_use_adapter, use_adapter)
+    _log_once("GRPOTrainer scores the policy's log-probs truncated by its top_k / top_p / min_p "
+              "(apply(truncation=True))")
 
 
 def _log_once(message: str) -> None:
@@ -150,7 +213,8 @@ def _score(hidden, weight, bias, labels, logit_scale, softcap, temperature, with
 
     mask = labels != -100
     logits = kltriton.LinearLogits(hidden[mask], weight, bias, logit_scale=logit_scale, softcap=softcap)
-    out = kltriton.token_logprobs(logits, labels[mask], temperature=temperature, return_entropy=with_entropy)
+    out = kltriton.token_logprobs(logits, labels[mask], temperature=temperature, return_entropy=with_entropy,
+                                  truncation=_truncation.get())
     logp, entropy = out if with_entropy else (out, None)
     # masked_scatter keeps the outputs connected to the model even when no position is scored
     log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
@@ -244,6 +308,8 @@ def policy_loss_arguments(trainer, inputs) -> dict:
         kwargs["off_policy_mask_threshold"] = trainer.off_policy_mask_threshold
         if inputs.get("sampling_per_token_logps") is not None:
             kwargs["rollout_logprobs"] = inputs["sampling_per_token_logps"]
+    if _switches["truncation"]:
+        kwargs["truncation"] = sampling_truncation(trainer)
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
         kwargs["rollout_is_weights"] = inputs["importance_sampling_ratio"]  # TRL's, computed at generation
     coef = _entropy_coef(trainer)

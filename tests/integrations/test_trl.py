@@ -1,4 +1,5 @@
 """TRL integration: GRPOTrainer trains on a tiny Llama with and without kltriton, same seed, same metrics."""
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,88 @@ def test_moe_router_loss_falls_back_to_trl_loss_with_a_log_line(tmp_path, caplog
     lines = [record.getMessage() for record in caplog.records]
     assert any("keeps TRL's fused LM head" in line for line in lines), lines
     assert any("TRL's own code" in line for line in lines), lines
+
+
+class _Recorder:
+    """Replaces ``kltriton.<name>`` (which the integration calls) for the test; keeps each call's truncation
+    and, with ``check``, runs ``check(args, kwargs, out)`` on it."""
+
+    def __init__(self, monkeypatch, name, check=None):
+        original = getattr(kltriton, name)
+        self.truncations = []
+
+        def recorded(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.truncations.append(kwargs.get("truncation"))
+            if check is not None:
+                check(args, kwargs, out)
+            return out
+
+        monkeypatch.setattr(kltriton, name, recorded)
+
+
+def _logits_of(linear):
+    """The float64 logits of a ``kltriton.LinearLogits`` (no softcap here)."""
+    x = linear.hidden.double() @ linear.weight.double().T * linear.logit_scale
+    return x if linear.bias is None else x + linear.bias.double()
+
+
+def test_truncation_switch_scores_the_sampled_distribution(model_dir, tmp_path, monkeypatch):
+    """``apply(truncation=True)``: the policy's log-probs, in TRL's head and in the loss, are those of the
+    distribution the completions were sampled from (the config's top-k / top-p at its temperature, against the
+    float64 vLLM oracle); the reference's stay untruncated; off by default."""
+    from truncation_oracle import vllm_logprobs
+    from trl.trainer import grpo_trainer
+
+    trl_logps = grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies
+    with kl_trl.apply():  # off by default: TRL's log-prob function stays its own
+        assert grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies is trl_logps
+    top_k, top_p, temperature = 6, 0.8, 0.9  # train's temperature
+    moved = []
+
+    def expect(logits, labels, truncation):
+        """float64 log-probs of ``labels``: truncated (the vLLM oracle) or plain."""
+        x = _logits_of(logits)
+        full = (torch.log_softmax(x / temperature, -1) if truncation is None
+                else vllm_logprobs(x, temperature, truncation.top_k, truncation.top_p, truncation.min_p))
+        return full.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+    def check_head(args, kwargs, out):
+        got = out[0] if isinstance(out, tuple) else out
+        want = expect(args[0], args[1], kwargs["truncation"])
+        torch.testing.assert_close(got.detach().double(), want, rtol=1e-5, atol=1e-5)  # fp32 vs float64, V = 18
+
+    def check_loss(args, kwargs, out):
+        logits, labels, mask = args[0], args[1], kwargs["mask"].bool()
+        want = expect(logits, labels, kwargs["truncation"])
+        torch.testing.assert_close(out.logprobs[mask].double(), want[mask], rtol=1e-5, atol=1e-5)
+        moved.append(float((want - expect(logits, labels, None))[mask].abs().max()))
+
+    losses = _Recorder(monkeypatch, "policy_loss", check_loss)
+    heads = _Recorder(monkeypatch, "token_logprobs", check_head)
+    with kl_trl.apply(truncation=True):
+        assert grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies is not trl_logps
+        logs = train(model_dir, tmp_path / "truncated", top_k=top_k, top_p=top_p)
+    assert grpo_trainer.GRPOTrainer._get_per_token_logps_and_entropies is trl_logps  # undone
+    assert len(logs) == 4 and all(math.isfinite(log["loss"]) for log in logs)
+    policy = [t for t in heads.truncations if t is not None]
+    assert policy and all((t.top_k, t.top_p, t.min_p) == (top_k, top_p, None) for t in policy), heads.truncations
+    assert None in heads.truncations  # the reference model (beta = 0.1) is scored untruncated
+    assert len(losses.truncations) >= 4 and all(t is not None and t.top_k == top_k for t in losses.truncations)
+    assert max(moved) > 1e-2  # the test can fail: truncation moved the log-probs the loss sees
+
+
+def test_truncation_switch_leaves_a_peft_reference_untruncated(model_dir, tmp_path, monkeypatch):
+    """With a LoRA adapter TRL scores the reference as the policy model with the adapter off (``use_adapter``):
+    those log-probs stay untruncated, the policy's are truncated."""
+    peft = pytest.importorskip("peft")
+    heads = _Recorder(monkeypatch, "token_logprobs")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with kl_trl.apply(truncation=True):
+        train(model_dir, tmp_path / "lora", peft_config=lora, top_k=6)
+    # every call runs on the one (PEFT) model: only the reference's, under use_adapter, is untruncated
+    assert None in heads.truncations, heads.truncations
+    assert any(t is not None and t.top_k == 6 for t in heads.truncations), heads.truncations
 
 
 def test_importing_the_integration_imports_no_trl():

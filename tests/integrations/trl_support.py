@@ -71,12 +71,12 @@ def dataset():
     return Dataset.from_dict({"prompt": ["the cat sat on", "a dog ran and", "the big red", "then a small"] * 4})
 
 
-def train(model_dir, out_dir, **overrides):
+def train(model_dir, out_dir, peft_config=None, **overrides):
     """Run GRPOTrainer for 4 optimizer steps; return the per-step logs."""
     from trl import GRPOTrainer
 
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward_cats, args=config(out_dir, **overrides),
-                          train_dataset=dataset())
+                          train_dataset=dataset(), peft_config=peft_config)
     trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log]
 
