@@ -35,7 +35,7 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
       if (tg < 0 || tg >= V) {
         r = skipped_row(tg);
       } else {
-        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo,
+        r = forward_row<T, T, FMODE>(X.row<T>(n), REF ? Y.row<T>(n) : nullptr, V, tg, hi, lo, -kInf,
                                      keep_exps ? &cache : nullptr);
       }
       for (int i = 0; i < kNumStats; ++i) {
@@ -190,7 +190,7 @@ void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Te
           if (tgt[n] < 0 || tgt[n] >= V || !std::isfinite(lse_p[n]) || (cl[n] == 0.f && cp[n] == 0.f && pl == 0.f))
             continue;
           const RowCoef k = row_coef(temp, n, lse_p[n], 0.f, cl[n], cp[n], pl, 0.f);
-          backward_row<T, T, B, true>(X.row<T>(n), nullptr, g + n * V, V, tgt[n], k);
+          backward_row<T, T, B, false, true>(X.row<T>(n), nullptr, g + n * V, V, tgt[n], k);
         }
       });
     };

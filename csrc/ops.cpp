@@ -39,6 +39,12 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "loss_accumulate_(Tensor(a!) grad, Tensor logits3d, Tensor target, Tensor temperature, Tensor lse, "
       "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> ()");
   m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
+  m.def(
+      "truncated_forward(Tensor logits3d, Tensor target, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor? floor, int wanted) -> Tensor[]");
+  m.def(
+      "truncated_backward(Tensor logits3d, Tensor target, Tensor temperature, Tensor floor, Tensor lse, "
+      "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
   m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
 }
@@ -50,6 +56,8 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
   m.impl("loss_accumulate_", &kltriton_cpp::loss_accumulate_);
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
+  m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
+  m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
@@ -61,4 +69,6 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
   m.impl("loss_accumulate_", torch::CppFunction::makeFallthrough());
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
+  m.impl("truncated_forward", torch::CppFunction::makeFallthrough());
+  m.impl("truncated_backward", torch::CppFunction::makeFallthrough());
 }

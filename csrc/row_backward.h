@@ -50,13 +50,17 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   }
 }
 
+// FLOOR (the truncation family): the logits below `floor` are read as -inf (p = 0, no gradient there).
 // ADD: g += the row's gradient instead of g = (the entropy mask's last pass, loss_forward.cpp).
-template <typename T, typename R, int MODE, bool ADD = false>
-inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
+template <typename T, typename R, int MODE, bool FLOOR = false, bool ADD = false>
+inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k,
+                         float floor = -kInf) {
   const float g_label = ADD ? static_cast<float>(g[label]) : 0.f;
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq);
-  const Vec zero(0.f), nA(-k.p), lowest(kLowest);
-  auto grad_vec = [&](const Vec& xraw, const Vec& yraw) -> Vec {
+  const Vec zero(0.f), nA(-k.p), lowest(kLowest), vfloor(floor), vninf(-kInf);
+  auto grad_vec = [&](const Vec& xin, const Vec& yraw) -> Vec {
+    Vec xraw = xin;
+    if constexpr (FLOOR) xraw = Vec::blendv(xin, vninf, xin < vfloor);
     // x = -inf -> lowest: log p overflows to -inf and p = 0 (-inf * lo + -inf could be NaN).
     const Vec xv = at::vec::clamp_min(xraw, lowest);
     const Vec lp = vfma(xv, vlo, vfma(xv, vhi, nlse));
@@ -88,13 +92,17 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
       store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
     }
   }
+  auto read = [&](int64_t i) {
+    const float xi = static_cast<float>(x[i]);
+    return (FLOOR && xi < floor) ? -kInf : xi;
+  };
   for (; v < V; ++v) {
     const float yv = (MODE & kPLogq) ? static_cast<float>(y[v]) : 0.f;
     const float before = ADD ? static_cast<float>(g[v]) : 0.f;
-    g[v] = static_cast<T>(before + grad_scalar<MODE>(static_cast<float>(x[v]), yv, k));
+    g[v] = static_cast<T>(before + grad_scalar<MODE>(read(v), yv, k));
   }
   const float yl = (MODE & kPLogq) ? static_cast<float>(y[label]) : 0.f;
-  g[label] = static_cast<T>(g_label + k.label + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
+  g[label] = static_cast<T>(g_label + k.label + grad_scalar<MODE>(read(label), yl, k));
 }
 
 // backward_row from the forward's exponentials (the fused loss, loss_forward.cpp): p = e[v] * scale[b * kW + l]

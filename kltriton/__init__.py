@@ -12,6 +12,7 @@ from kltriton.functional.policy_loss import PolicyLossOutput, policy_loss
 from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.linear_logits import LinearLogits
+from kltriton.truncation import Truncation
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "set_validation",
     "token_kl",
     "token_logprobs",
+    "Truncation",
 ]

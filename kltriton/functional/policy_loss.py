@@ -22,6 +22,7 @@ from kltriton.functional.token_kl import ref_is_logits
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.linear_logits import is_linear
+from kltriton.truncation import check_truncation
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -190,6 +191,21 @@ def _metrics(token, scored, entropy, is_info, parts, extra):
     return {k: v.detach() for k, v in metrics.items()}
 
 
+def _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full, backend, shard):
+    """``(StreamStats, outside)`` of the two-pass route with a truncated policy: its ``logp`` / ``entropy`` by
+    ``route.truncated_statistics``, the reference's log-probs by their own pass (no gradient); ``outside [N]``: the
+    scored positions whose label is outside the kept set."""
+    if full:
+        raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a truncation")
+    stats = route.truncated_statistics(logits, target, temperature, truncation, layout,
+                                       statistics.request(entropy=True), backend, shard)
+    if ref_logits is not None:
+        with torch.no_grad():
+            ref = route.statistics(ref_logits, None, target, temperature, statistics.request(), backend, shard)
+        stats = stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
+    return stats, (target >= 0) & (stats.logp == float("-inf"))
+
+
 # --- public function ----------------------------------------------------------------------------
 
 def policy_loss(
@@ -231,6 +247,7 @@ def policy_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     compute_entropy: bool = True,
+    truncation=None,
     **loss_parameters,
 ) -> PolicyLossOutput:
     """The policy loss ``agg(pg * weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
@@ -288,6 +305,11 @@ def policy_loss(
         process_group, vocab_start: vocab-parallel logits or ``LinearLogits`` weight shards (and the
             reference's), as in ``token_kl``: every rank gets the global loss and the gradient of its shard
             (the two-pass route).
+        truncation: a ``kltriton.Truncation``: the new log-probs (and entropy) are of the truncated distribution
+            the rollout engine sampled from, as in ``token_logprobs`` (the two-pass route). A position whose label is
+            outside the kept set (log-prob ``-inf``) is dropped from the loss and the metrics, as a masked
+            position is (its ``logprobs`` output stays ``-inf``, its ``ratio`` and ``kl`` are 0); the share of
+            such positions among the scored ones is ``metrics["outside_support_frac"]``. No other position changes.
 
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
@@ -362,6 +384,7 @@ def policy_loss(
         if ref is not None else None
     estimator_name = estimator.name if estimator is not None else ""
     temperature = check_temperature(temperature, device, logits.shape[:-1])
+    truncation = check_truncation(truncation)
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True, shard=shard)
@@ -387,8 +410,18 @@ def policy_loss(
     if ref_logp_given is not None:  # like every per-token output: 0 where not scored
         ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
-    agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
-                                 num_seqs_agg)
+
+    def aggregation_weights(rows):
+        """``(agg_w, agg_pg)``: every term's ``[N]`` aggregation weights over ``rows``, and the policy term's."""
+        every = _aggregation_weights(aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                     num_seqs_agg)
+        if pg_aggregation is None:
+            return every, every
+        return every, _aggregation_weights(pg_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc,
+                                           num_tokens, runtime_scalar(max(num_seqs, 1), device)
+                                           if formula == "geo_mean" else num_seqs_agg)
+
+    agg_w, agg_pg = aggregation_weights(scored)
     hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
                                ratio_high=runtime_scalar(1.0 + clip_high, device),
                                dual_clip=None if dual_clip is None else runtime_scalar(dual_clip, device),
@@ -396,11 +429,6 @@ def policy_loss(
                                kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
                                **{name: runtime_scalar(value, device) for name, value in params.items()
                                   if isinstance(value, float)})
-    agg_pg = agg_w
-    if pg_aggregation is not None:
-        agg_pg = _aggregation_weights(pg_aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
-                                      runtime_scalar(max(num_seqs, 1), device) if formula == "geo_mean"
-                                      else num_seqs_agg)
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
     full = estimator is not None and estimator.needs_ref_logits
@@ -420,7 +448,7 @@ def policy_loss(
     on_policy_is = old is None and rollout is not None
     whole_sequences = (sequence_level or on_policy_is or off_policy is not None
                        or (quantile is not None and entropy_coef != 0.0))
-    fused = route.loss_route(logits, ref, formula, whole_sequences, shard) == "fused"
+    fused = truncation is None and route.loss_route(logits, ref, formula, whole_sequences, shard) == "fused"
     minus_entropy_coef = runtime_scalar(-entropy_coef, device).to(acc)
 
     def entropy_aggregation_weights(keep):
@@ -434,7 +462,7 @@ def policy_loss(
         rows = scored if keep is None else keep
         return _aggregation_weights(entropy_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc)
 
-    is_info, keep, threshold = None, None, None
+    is_info, keep, threshold, outside = None, None, None, None
     if fused:
         if rollout is not None:
             is_info = _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
@@ -451,8 +479,15 @@ def policy_loss(
             w_pg = w_pg * keep.to(acc)
     else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
         wanted = statistics.request(entropy=compute_entropy, ref=ref_logits is not None, full_kl=full)
-        stats = route.statistics(logits, ref_logits, target, temperature, wanted,
-                                 route.backend(backend, logits, ref_logits), shard)
+        if truncation is not None:
+            stats, outside = _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full,
+                                              route.backend(backend, logits, ref_logits), shard)
+            scored = scored & ~outside
+            agg_w, agg_pg = aggregation_weights(scored)
+            w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
+        else:
+            stats = route.statistics(logits, ref_logits, target, temperature, wanted,
+                                     route.backend(backend, logits, ref_logits), shard)
         logp = stats.logp
         entropy = stats.entropy if compute_entropy else torch.zeros_like(logp)
         if rollout is not None:
@@ -473,8 +508,16 @@ def policy_loss(
     w_ent = ent_agg * minus_entropy_coef
     ref_logp = stats.ref_logp if ref_logits is not None else (
         ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
+    reported_logp = logp
+    if outside is not None:  # dropped positions: finite stand-ins (weight 0, no gradient) so no term is NaN
+        stand_in = old if old is not None else torch.zeros_like(logp)
+        logp = torch.where(outside, stand_in.to(logp.dtype), logp)
+        ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
     token = terms.token_terms(formula, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
                               scored, seq_index, num_seqs, level=importance_sampling_level, log_is=log_is)
+    if outside is not None:
+        zero = torch.zeros_like(token.ratio)
+        token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
     if not fused:
         loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
     parts = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
@@ -488,7 +531,9 @@ def policy_loss(
             extra["vespo_phi_mean"] = phi.float().mean() if num_seqs else phi.float().sum()
         else:
             extra["vespo_phi_mean"] = _masked_mean(token.seq_weight.float(), scored, scored.float().sum().clamp(min=1))
+    if outside is not None:
+        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
     metrics = _metrics(token, scored, entropy, is_info, parts, extra)
     view = lambda t: t.detach().float().view(shape)  # noqa: E731
-    return PolicyLossOutput(loss, view(logp), view(ref_logp), view(token.kl), view(entropy), view(token.ratio),
-                            metrics)
+    return PolicyLossOutput(loss, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
+                            view(token.ratio), metrics)

@@ -37,8 +37,9 @@ HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp",
                    "vespo_lambda_neg", "kl_ratio")
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
-CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp")
-CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h")
+CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
+               "truncation.cpp")
+CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order
