@@ -410,6 +410,18 @@ def policy_loss(
     if ref_logp_given is not None:  # like every per-token output: 0 where not scored
         ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
     horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
+
+    def aggregation_weights(rows):
+        """``(agg_w, agg_pg)``: every term's ``[N]`` aggregation weights over ``rows``, and the policy term's."""
+        every = _aggregation_weights(aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
+                                     num_seqs_agg)
+        if pg_aggregation is None:
+            return every, every
+        return every, _aggregation_weights(pg_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc,
+                                           num_tokens, runtime_scalar(max(num_seqs, 1), device)
+                                           if formula == "geo_mean" else num_seqs_agg)
+
+    agg_w, agg_pg = aggregation_weights(scored)
     hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
                                ratio_high=runtime_scalar(1.0 + clip_high, device),
                                dual_clip=None if dual_clip is None else runtime_scalar(dual_clip, device),
@@ -417,18 +429,6 @@ def policy_loss(
                                kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
                                **{name: runtime_scalar(value, device) for name, value in params.items()
                                   if isinstance(value, float)})
-
-    def aggregation_weights(rows):
-        """``(every term's, the policy term's)`` ``[N]`` aggregation weights over ``rows``."""
-        agg = _aggregation_weights(aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
-                                   num_seqs_agg)
-        if pg_aggregation is None:
-            return agg, agg
-        return agg, _aggregation_weights(pg_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc,
-                                         num_tokens, runtime_scalar(max(num_seqs, 1), device)
-                                         if formula == "geo_mean" else num_seqs_agg)
-
-    agg_w, agg_pg = aggregation_weights(scored)
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
     ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
     full = estimator is not None and estimator.needs_ref_logits
@@ -533,6 +533,8 @@ def policy_loss(
             extra["vespo_phi_mean"] = phi.float().mean() if num_seqs else phi.float().sum()
         else:
             extra["vespo_phi_mean"] = _masked_mean(token.seq_weight.float(), scored, scored.float().sum().clamp(min=1))
+    if outside is not None:
+        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
     metrics = _metrics(token, scored, entropy, is_info, parts, extra)
     view = lambda t: t.detach().float().view(shape)  # noqa: E731
     return PolicyLossOutput(loss, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),

@@ -13,6 +13,7 @@ from tensordict import set_list_to_stack  # noqa: E402
 from torchrl.objectives.llm import grpo as real  # noqa: E402
 
 import kltriton.adapters.torchrl as ours  # noqa: E402
+from helpers import CallCounter  # noqa: E402
 from torchrl_support import GEN, tiny_wrapper, token_data  # noqa: E402
 
 REF = ("next", "ref_log_probs", "full")
@@ -60,12 +61,14 @@ def _run(cls, actor, td, strategy, kwargs):
 
 
 @pytest.mark.parametrize("name,strategy,kwargs", CASES)
-def test_matches_torchrl(actor_and_batch, name, strategy, kwargs):
+def test_matches_torchrl(actor_and_batch, name, strategy, kwargs, monkeypatch):
     actor, td = actor_and_batch
     expected, e_grads = _run(getattr(real, name), actor, td, strategy, kwargs)
+    losses = CallCounter(monkeypatch, "policy_loss")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback to torchrl's forward
         got, grads = _run(getattr(ours, name), actor, td, strategy, kwargs)
+    assert losses.calls == 1
     assert type(got) is type(expected)
     assert sorted(got.keys()) == sorted(expected.keys())
     assert 0 < float(expected.clip_fraction) < 1, "the batch clips some tokens"
@@ -77,11 +80,12 @@ def test_matches_torchrl(actor_and_batch, name, strategy, kwargs):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-4)
 
 
-def test_unmapped_options_run_torchrl_with_a_warning(actor_and_batch):
+def test_unmapped_options_run_torchrl_with_a_warning(actor_and_batch, monkeypatch):
     """``kl_mask_threshold`` changes the denominators per token: torchrl's forward runs, said once."""
     actor, td = actor_and_batch
     kwargs = dict(kl_mask_threshold=0.05, kl_to_ref_coeff=0.1)
     expected, _ = _run(real.GRPOLoss, actor, td, "rlhf", kwargs)
+    losses = CallCounter(monkeypatch, "policy_loss")
     loss = ours.GRPOLoss(actor, masking_strategy="rlhf", **kwargs)
     with pytest.warns(UserWarning, match="kl_mask_threshold"):
         got = loss(td.copy())
@@ -89,3 +93,4 @@ def test_unmapped_options_run_torchrl_with_a_warning(actor_and_batch):
         warnings.simplefilter("error", UserWarning)
         loss(td.copy())
     torch.testing.assert_close(got.loss_objective, expected.loss_objective)
+    assert losses.calls == 0

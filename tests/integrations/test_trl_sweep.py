@@ -118,6 +118,7 @@ def _configure(trainer, loss_type="dapo", level="token", beta=0.0, bias=True, qu
     args.use_bias_correction_kl, args.delta = bias, delta
 
 
+@pytest.mark.slow  # 1024 configurations: about 2 minutes of CPU
 def test_the_sweep_equals_trl_with_no_fallback(rig, monkeypatch):
     trainer, patch, inputs = rig
     losses = CallCounter(monkeypatch, "policy_loss")
