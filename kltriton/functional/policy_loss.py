@@ -523,8 +523,6 @@ def policy_loss(
     parts = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
              "entropy_loss": (ent_agg * entropy).sum()}
     extra = {}
-    if outside is not None:
-        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
     if quantile is not None:
         extra["entropy_threshold"] = threshold.float().reshape(())
     if token.seq_weight is not None:  # TRL's vespo/phi_seq_mean: over the sequences with per-sequence advantages
