@@ -48,6 +48,8 @@ def _scored(labels, mask=None):
 @pytest.mark.parametrize("reduction", ["none", "sum"])
 def test_dense_against_float64(backend, dtype, device, divergence, beta, reduction):
     """Values and gradients with a random upstream against the float64 definitions; unscored positions 0."""
+    if reduction != "none" and dtype != torch.float32:
+        pytest.skip("the reduced loss's gradient route is dtype-independent: fp32 covers it")
     shape, vocab, temperature = (3, 7), 1001, 0.8
     student = random_logits(shape + (vocab,), dtype).to(device)
     teacher = (student.float() + torch.randn(student.shape, device=device)).to(dtype)
