@@ -154,6 +154,36 @@ def test_masked_teacher_logits(backend, device, temperature):
     assert torch.isfinite(x.grad).all()
 
 
+def test_finfo_min_teacher_under_student_mass(backend, device):
+    """A teacher at ``finfo.min`` where the student has mass (one entry; a one-hot teacher): the reverse KL is the
+    huge log-ratio or ``+inf`` (kernels in base-2 exponents overflow), never NaN, with a NaN-free gradient; the
+    forward KL and the JSD stay finite and exact."""
+    gen = torch.Generator().manual_seed(11)
+    student = torch.randn(3, 300, generator=gen) * 2
+    teacher = student + torch.randn(3, 300, generator=gen)
+    teacher[0, 10] = torch.finfo(torch.float32).min
+    teacher[1] = torch.finfo(torch.float32).min
+    teacher[1, 5] = 0.0
+    student, teacher = student.to(device), teacher.to(device)
+    labels = torch.zeros(3, dtype=torch.long, device=device)
+    for divergence in ("reverse_kl", "forward_kl", "jsd"):
+        for reduction in ("none", "sum"):
+            x = student.clone().requires_grad_()
+            out = kltriton.token_divergence(x, teacher, labels, divergence=divergence, reduction=reduction,
+                                            backend=backend)
+            out.sum().backward()
+            assert not torch.isnan(out).any() and not torch.isnan(x.grad).any(), (divergence, reduction)
+            expected = oracle(student, teacher, divergence, 0.5, 1.0)
+            if divergence == "reverse_kl":
+                assert bool((out.view(-1)[:2] >= 1e35).all()) if reduction == "none" else out.item() >= 1e35
+                if reduction == "none":
+                    assert_close(out[2], expected[2].float(), 1e-5, 1e-5, what="reverse_kl, no finfo.min")
+            else:
+                target = expected.float() if reduction == "none" else expected.sum().float()
+                assert torch.isfinite(out).all()
+                assert_close(out, target, 2e-5, 1e-5, what=f"{divergence} {reduction}")
+
+
 def test_packed_equals_padded(backend, device):
     """A ``[B, T]`` batch with a mask and ``shift_labels`` and the same sequences packed with ``cu_seqlens``: the
     same values, bitwise (batch invariance), and the same gradient."""
