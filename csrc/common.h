@@ -311,6 +311,15 @@ at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
 
+std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::Tensor& target,
+                                          const at::Tensor& temperature, const at::Tensor& top_k,
+                                          const at::Tensor& top_p, const at::Tensor& min_p,
+                                          const std::optional<at::Tensor>& floor, int64_t wanted);
+
+at::Tensor truncated_backward(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
+                              const at::Tensor& floor, const at::Tensor& lse, const at::Tensor& c_label,
+                              const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+
 std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
                                     const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
                                     const at::Tensor& beta);

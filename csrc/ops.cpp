@@ -35,6 +35,12 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "Tensor w_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) -> Tensor");
   m.def("loss_scale_(Tensor(a!) grad, Tensor upstream) -> ()");
   m.def(
+      "truncated_forward(Tensor logits3d, Tensor target, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor? floor, int wanted) -> Tensor[]");
+  m.def(
+      "truncated_backward(Tensor logits3d, Tensor target, Tensor temperature, Tensor floor, Tensor lse, "
+      "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
+  m.def(
       "jsd_forward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
       "Tensor beta) -> Tensor[]");
   m.def(
@@ -50,6 +56,8 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_forward", &kltriton_cpp::loss_forward);
   m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
+  m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
+  m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
   m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
   m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
 }
@@ -62,6 +70,8 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
+  m.impl("truncated_forward", torch::CppFunction::makeFallthrough());
+  m.impl("truncated_backward", torch::CppFunction::makeFallthrough());
   m.impl("jsd_forward", torch::CppFunction::makeFallthrough());
   m.impl("jsd_backward", torch::CppFunction::makeFallthrough());
 }

@@ -51,12 +51,16 @@ inline float grad_scalar(float x, float y, const RowCoef& k) {
   return out;
 }
 
-template <typename T, typename R, int MODE>
-inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k) {
+// FLOOR (the truncation family): the logits below `floor` are read as -inf (p = 0, no gradient there).
+template <typename T, typename R, int MODE, bool FLOOR = false>
+inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label, const RowCoef& k,
+                         float floor = -kInf) {
   constexpr bool READS_Y = (MODE & (kPLogq | kQ)) != 0;
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq), vQ(k.q);
-  const Vec zero(0.f), nA(-k.p), lowest(kLowest);
-  auto grad_vec = [&](const Vec& xraw, const Vec& yraw) -> Vec {
+  const Vec zero(0.f), nA(-k.p), lowest(kLowest), vfloor(floor), vninf(-kInf);
+  auto grad_vec = [&](const Vec& xin, const Vec& yraw) -> Vec {
+    Vec xraw = xin;
+    if constexpr (FLOOR) xraw = Vec::blendv(xin, vninf, xin < vfloor);
     // x = -inf -> lowest: log p overflows to -inf and p = 0 (-inf * lo + -inf could be NaN).
     const Vec xv = at::vec::clamp_min(xraw, lowest);
     const Vec lp = vfma(xv, vlo, vfma(xv, vhi, nlse));
@@ -86,12 +90,16 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
     if constexpr (READS_Y) load_f2(y + v, y0, y1);
     store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
   }
+  auto read = [&](int64_t i) {
+    const float xi = static_cast<float>(x[i]);
+    return (FLOOR && xi < floor) ? -kInf : xi;
+  };
   for (; v < V; ++v) {
     const float yv = READS_Y ? static_cast<float>(y[v]) : 0.f;
-    g[v] = static_cast<T>(grad_scalar<MODE>(static_cast<float>(x[v]), yv, k));
+    g[v] = static_cast<T>(grad_scalar<MODE>(read(v), yv, k));
   }
   const float yl = READS_Y ? static_cast<float>(y[label]) : 0.f;
-  g[label] = static_cast<T>(k.label + grad_scalar<MODE>(static_cast<float>(x[label]), yl, k));
+  g[label] = static_cast<T>(k.label + grad_scalar<MODE>(read(label), yl, k));
 }
 
 // A zero gradient row (a skipped row, or one without a finite lse).

@@ -183,9 +183,13 @@ inline Combined combine_lanes(const float* m, const float* mi, const float* s, c
 
 // hi + lo = 1 / T (Temperatures::inverse). Exponents are in kZUnit units (c = 1 / (T kZUnit)), the
 // results in natural units.
-template <typename T, typename R, int MODE>
-inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo) {
+// FLOOR (the truncation family, truncation.h): the logits below `floor` are read as -inf, so the statistics are
+// those of the row restricted to {x >= floor}; floor = -inf reads every logit as it is.
+template <typename T, typename R, int MODE, bool FLOOR = false>
+inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo,
+                          float floor = -kInf) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
+  const Vec vfloor(floor), vninf(-kInf);
   const double c = (static_cast<double>(hi) + lo) / kZUnit;
   LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
@@ -194,13 +198,19 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
     const T* px = x + v0 * kW;
     const R* py = REF ? y + v0 * kW : nullptr;
     st.block(
-        nv, [px](int64_t i) { return load_f(px + i * kW); },
+        nv,
+        [px, &vfloor, &vninf](int64_t i) {
+          const Vec v = load_f(px + i * kW);
+          if constexpr (FLOOR) return Vec::blendv(v, vninf, v < vfloor);
+          return v;
+        },
         [py](int64_t i) { return load_f(py + i * kW); });
   }
   if (rem) {
     alignas(64) float bx[kW], by[kW];
     for (int64_t l = 0; l < kW; ++l) {
       bx[l] = l < rem ? static_cast<float>(x[nvec * kW + l]) : -kInf;
+      if (FLOOR && bx[l] < floor) bx[l] = -kInf;
       by[l] = (REF && l < rem) ? static_cast<float>(y[nvec * kW + l]) : -kInf;
     }
     st.block(
@@ -216,7 +226,8 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
 
   RowOut r;
   for (int i = 0; i < kNumStats; ++i) r.v[i] = kNaN;
-  const double xl = static_cast<double>(static_cast<float>(x[label]));
+  const float xlf = static_cast<float>(x[label]);
+  const double xl = (FLOOR && xlf < floor) ? -static_cast<double>(kInf) : static_cast<double>(xlf);
   if (cx.bad) {
     // NaN / +inf logits: no distribution (lse NaN so the backward writes zeros).
   } else if (cx.dead) {

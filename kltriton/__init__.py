@@ -14,6 +14,7 @@ from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.linear_logits import LinearLogits
 from kltriton.topk import TopK
+from kltriton.truncation import Truncation
 
 __version__ = "0.1.0"
 
@@ -46,4 +47,5 @@ __all__ = [
     "token_divergence",
     "token_kl",
     "token_logprobs",
+    "Truncation",
 ]

@@ -19,6 +19,7 @@ FAMILIES = {
     "stream": "statistics streamed over rows of logits",
     "loss": "policy loss with its logits gradient produced in the forward",
     "linear": "the stream statistics of logits given as hidden @ weight.T (GEMM tiles)",
+    "truncation": "statistics of the top-k / top-p / min-p truncated distribution of each row",
     "divergence": "the generalized JSD's second pass (after the stream log-sum-exps) and its gradient",
 }
 # The automatic choice per device, in order of preference.

@@ -32,8 +32,10 @@ import torch.distributed as dist
 from kltriton._inputs import host_checks
 from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
 from kltriton.kernels.statistics import NOT_HERE, StreamStats
+from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.linear import Side
 from kltriton.ops import divergence, linear, stream
+from kltriton.ops import truncation as truncation_ops
 
 # Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
 # label past the last shard then lies in no shard and its position gives NaN, like OUT_OF_RANGE.
@@ -255,6 +257,161 @@ def shard_linear(policy, ref, target, temperature, wanted, tile_elements, backen
     weight and bias (local)."""
     return StreamStats(*_ShardLinear.apply(*policy, *ref, target, temperature, wanted, tile_elements, backend,
                                            shard.group, shard.start))
+
+
+# --- the truncation family over vocab shards ---------------------------------------------------------------
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum of every rank's tensor (one all-reduce). Backward: the gradient as it is (every rank
+    computes the same loss from the sum, so its own part's gradient needs no communication)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        return _all_reduce(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Replicated(torch.autograd.Function):
+    """Forward: the tensor as it is (replicated on every rank). Backward: the gradient summed over the ranks
+    (each rank holds the part that flows through its vocab shard)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), ctx.group), None
+
+
+def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    return _SumOverRanks.apply(tensor, group)
+
+
+def replicated(tensor: torch.Tensor, group) -> torch.Tensor:
+    return _Replicated.apply(tensor, group)
+
+
+def _all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    return funcol.wait_tensor(funcol.all_reduce(tensor, "max", group))
+
+
+def widest_shard(size: int, device, group) -> int:
+    """The largest ``V_local`` of the group (one all-reduce of one value; a host sync)."""
+    return int(_all_reduce_max(torch.tensor([size], dtype=torch.int64, device=device), group).item())
+
+
+THRESHOLDS_PER_ROUND = 15  # thresholds per collective round of the floor search: 16-way, 8 rounds for 32 bits
+_KEY_FLIP = 0x7FFFFFFF
+
+
+def _key(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int64 key of float32 values (``a >= b`` iff ``key(a) >= key(b)`` for non-NaN)."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ _KEY_FLIP, bits)
+
+
+def _from_key(key: torch.Tensor) -> torch.Tensor:
+    bits = torch.where(key < 0, key ^ _KEY_FLIP, key).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def _largest_reaching(rows, weight_of, lower, goal, group):
+    """Per row, the largest fp32 value ``v >= lower`` whose summed weight over the ranks of ``{x >= v}`` reaches
+    ``goal`` (``weight_of(rows, thresholds [N, G]) -> [N, G]`` float64 local sums over ``x >= threshold``), by a
+    ``G + 1``-way bisection on the order-preserving keys: one all-reduce of ``[N, G]`` values per round, 8
+    rounds for the 32 bits, exact (the answer is the key where the step function crosses ``goal``)."""
+    lo = _key(lower)                                          # weight(lo) >= goal
+    hi = torch.full_like(lo, _KEY_FLIP + 1)                   # above +inf: weight 0 < goal
+    steps = torch.arange(1, THRESHOLDS_PER_ROUND + 1, device=lo.device)
+    while True:
+        width = hi - lo
+        if not bool((width > 1).any()):  # the rounds are the same on every rank: the data decides when all stop
+            return _from_key(lo)
+        keys = lo[:, None] + (width[:, None] * steps) // (THRESHOLDS_PER_ROUND + 1)
+        keys = torch.maximum(keys, lo[:, None] + 1).clamp(max=_KEY_FLIP)
+        reached = _all_reduce(weight_of(rows, _from_key(keys)), group) >= goal[:, None]
+        reached &= keys < hi[:, None]
+        best = torch.where(reached, keys, lo[:, None]).amax(1)
+        above = torch.where(~reached & (keys > best[:, None]), keys, hi[:, None]).amin(1)
+        lo, hi = best, torch.minimum(above, hi)
+
+
+def shard_floor(logits: torch.Tensor, target, temperature, knobs, group) -> torch.Tensor:
+    """The ``truncation`` family's floor (``kltriton.kernels.truncation``) of the full rows from this rank's shard
+    ``logits [..., V_local]``: the row max by one all-reduce, min-p from it, top-k and top-p by
+    ``_largest_reaching`` (counts, then masses above candidate thresholds, summed over the ranks). The same on
+    every rank; the local work is PyTorch on the shard (``[N, G]`` compares per round)."""
+    x = as_rows3d(logits.detach()).reshape(-1, logits.shape[-1]).float()
+    n = x.shape[0]
+    t = (temperature.reshape(1).expand(n) if temperature.dim() == 0 else temperature).double()
+    m = _all_reduce_max(x.amax(-1) if x.shape[-1] else x.new_full((n,), float("-inf")), group).double()
+    top_k, top_p, min_p = knobs
+    log_min_p = torch.where(min_p > 0, min_p.clamp(min=1e-300).log(), torch.full_like(min_p, float("-inf")))
+    exact = torch.where(min_p > 0, m + t * log_min_p, torch.full_like(m, float("-inf")))
+    lower = exact.float()
+    lower = torch.where(lower.double() < exact, torch.nextafter(lower, torch.full_like(lower, float("inf"))), lower)
+
+    def counts(rows, thresholds):  # one [N, V_local] compare per threshold
+        return torch.stack([(x >= th[:, None]).sum(-1) for th in thresholds.unbind(1)], 1).double()
+
+    def masses(rows, thresholds):
+        e = torch.where(x >= lower[:, None], ((x.double() - m[:, None]) / t[:, None]).exp(), torch.zeros_like(x,
+                        dtype=torch.float64))
+        return torch.stack([torch.where(x >= th[:, None], e, 0).sum(-1) for th in thresholds.unbind(1)], 1)
+
+    if bool((top_k > 0).any()):
+        kept = _all_reduce(counts(None, lower[:, None]).squeeze(1), group)
+        active = (top_k > 0) & (kept > top_k)
+        kth = _largest_reaching(None, counts, lower, top_k.double(), group)
+        lower = torch.where(active, torch.maximum(lower, kth), lower)
+    if bool((top_p < 1).any()):
+        total = _all_reduce(masses(None, lower[:, None]).squeeze(1), group)
+        cut = _largest_reaching(None, masses, lower, top_p * total, group)
+        lower = torch.where(top_p < 1, torch.maximum(lower, cut), lower)
+    bad = torch.isnan(m) | (m == float("inf"))
+    lower = torch.where(bad, torch.full_like(lower, float("nan")), lower)
+    return torch.where(target >= 0, lower, torch.full_like(lower, float("-inf")))
+
+
+class _ShardTruncated(torch.autograd.Function):
+    """``truncation`` statistics over vocab shards once the floor is known: the local restricted statistics,
+    one all-gather, merge (they merge as the ``stream`` statistics do); backward without communication."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature, knobs, floor, wanted, backend, group, start):
+        kernel_target, own = _localize(target, start, logits.shape[-1], 0)
+        _, local = truncation_ops.truncated_forward(logits, kernel_target, temperature, knobs, floor, wanted, backend)
+        stats, backward_target = _global_stats(local, target, kernel_target, own, wanted, group)
+        ctx.save_for_backward(logits, backward_target, temperature, floor, own, *stats)
+        ctx.backend = backend
+        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
+        ctx.set_materialize_grads(False)
+        return tuple(stats)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        logits, target, temperature, floor, own, *values = ctx.saved_tensors
+        stats = StreamStats(*values)
+        grads = truncation_ops.outside_free(dict(zip(statistics.NAMES, grads)), stats.logp)
+        basis = statistics.gradient_basis(grads, stats, temperature)
+        basis = basis._replace(label=torch.where(own, basis.label, 0))
+        grad = truncation_ops.truncated_backward(logits, target, temperature, floor, stats.lse, basis.label, basis.p,
+                                                 basis.p_logp, ctx.backend)
+        return grad, None, None, None, None, None, None, None, None
+
+
+def shard_truncated(logits, target, temperature, knobs, wanted, backend, shard: VocabShard) -> StreamStats:
+    """``truncation`` statistics (recompute mode) of the full rows from this rank's shard ``logits [..., V_local]``;
+    every rank of ``shard.group`` calls it with the same ``target``, ``temperature`` and knobs."""
+    floor = shard_floor(logits, target, temperature, knobs, shard.group)
+    return StreamStats(*_ShardTruncated.apply(logits, target, temperature, knobs, floor, wanted, backend, shard.group,
+                                              shard.start))
 
 
 # --- distillation: the JSD's second pass and a top-k teacher's columns over vocab shards -----------------------

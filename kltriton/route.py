@@ -16,6 +16,18 @@ importance sampling), the logits are vocab-sharded (the derivative needs the glo
 policy is a tensor with a ``LinearLogits`` reference; then ``"two-pass"``: the statistics route above, the
 formulas in PyTorch, and autograd (the logits are read again in the backward).
 
+Truncated statistics (``truncation=``, the policy side; ``truncated_statistics``):
+
+| truncation | logits           | vocab-sharded | route                                                          |
+|------------|------------------|---------------|----------------------------------------------------------------|
+| recompute  | tensors          | no            | ``ops.truncation.truncated_forward`` (floor and statistics per row) |
+| recompute  | tensors          | yes           | ``parallel.shard_truncated`` (floor by all-reduced counts / masses) |
+| recompute  | ``LinearLogits`` | either        | ``kernels.truncation.linear``: tiles of rows, each the tensor route |
+| replay     | tensors          | either        | ``kernels.truncation.replay``: a K-column gather (summed over ranks) |
+| replay     | ``LinearLogits`` | either        | ``kernels.truncation.replay``: only the K columns projected      |
+
+A ``policy_loss`` with a truncation is two-pass.
+
 ``token_divergence`` (distillation), by teacher:
 
 | teacher                              | divergence        | route                                                      |
@@ -45,8 +57,11 @@ from kltriton.kernels.linear.tiles import default_tile_elements
 from kltriton.kernels.loss import terms
 from kltriton.kernels.statistics import StreamStats
 from kltriton.linear_logits import LinearLogits, is_linear
+from kltriton.kernels.truncation import linear as truncation_linear
+from kltriton.kernels.truncation import replay
 from kltriton.ops import divergence as divergence_ops
 from kltriton.ops import linear, loss, stream
+from kltriton.ops import truncation as truncation_ops
 
 NO_SIDE = Side(None, None, None, None, None)
 
@@ -120,6 +135,55 @@ def fused_loss(logits, ref_logits, target, temperature, inputs, hp, loss_type, e
                             with_grad, name)
     return out[0], StreamStats(*out[1:-1])
 
+
+def truncated_statistics(logits, target, temperature, truncation, layout, wanted: int, backend_name: Optional[str],
+                         vocab_shard: Optional[parallel.VocabShard] = None) -> StreamStats:
+    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``wanted`` asks) of the truncated distribution of
+    ``logits`` (a tensor or ``LinearLogits``, local or a vocab shard) at ``target``; ``truncation`` a
+    ``kltriton.Truncation``, ``layout`` the call's ``_inputs.Layout``. Differentiable like ``statistics``."""
+    device, vocab = logits.device, logits.shape[-1] if vocab_shard is None else vocab_shard.vocab
+    group = None if vocab_shard is None else vocab_shard.group
+    if truncation.replay:
+        kept = replay.support(truncation.support_rows(layout.shape, device, vocab))
+        ids, own = kept.ids, kept.valid
+        if vocab_shard is not None:
+            local = ids - vocab_shard.start
+            own = own & (local >= 0) & (local < logits.shape[-1])
+            ids = torch.where(own, local, torch.zeros_like(local))
+        if is_linear(logits):
+            side = _side(logits)
+            if group is not None:
+                side = side._replace(x=parallel.replicated(side.x, group))
+            values = replay.project(side, ids, logits.tile_elements or default_tile_elements(device.type))
+        else:
+            values = replay.gather(logits, ids)
+        if group is not None:
+            values = parallel.sum_over_ranks(torch.where(own, values, torch.zeros_like(values)), group)
+        here, column = replay.label_in(kept, target)
+        label_value = values.gather(1, column[:, None]).squeeze(1)
+        return replay.statistics_of(values, kept.valid, here, label_value, target, temperature, wanted)
+    knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
+
+    def dense(rows, row_target, row_temperature, row_knobs):
+        name = backend(backend_name, rows, family_name="truncation")
+        if vocab_shard is not None:
+            return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, wanted, name, vocab_shard)
+        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, wanted, name)[1]
+
+    if not is_linear(logits):
+        return dense(logits, target, temperature, knobs)
+    side = _side(logits)
+    if group is not None:
+        side = side._replace(x=parallel.replicated(side.x, group))
+
+    def tile(rows, start, stop):
+        row_temperature = temperature if temperature.dim() == 0 else temperature[start:stop]
+        return dense(rows, target[start:stop], row_temperature, type(knobs)(*(k[start:stop] for k in knobs)))
+
+    # Every rank must cut the rows into the same tiles (their floors take collectives): the widest shard decides.
+    width = logits.shape[-1] if group is None else parallel.widest_shard(logits.shape[-1], device, group)
+    tile_rows = max(1, (logits.tile_elements or default_tile_elements(device.type)) // width)
+    return truncation_linear.statistics(side, tile, tile_rows)
 
 # --- distillation -----------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from kltriton._inputs import build_layout, check_float, check_logits, check_temp
 from kltriton.functional.token_kl import kl_of_target, ref_is_logits
 from kltriton.kernels import SKIP
 from kltriton.linear_logits import is_linear
+from kltriton.truncation import check_truncation
 
 
 class KLReward(NamedTuple):
@@ -110,6 +111,7 @@ def fused_kl_reward(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    truncation=None,
 ) -> KLReward:
     """KL-shaped per-token rewards: ``reward = rewards - coef * kl`` plus the clipped sequence score
     at the last scored position of each sequence.
@@ -121,6 +123,10 @@ def fused_kl_reward(
         scores: optional ``[num_seqs]`` sequence-level scores (reward model outputs).
         rewards: optional per-token rewards of shape ``S`` or ``S + [1]`` (torchrl's layout).
         score_clip: clip ``scores`` to ``[-score_clip, score_clip]`` before adding them.
+        truncation: a ``kltriton.Truncation`` for the policy side, as in ``token_kl``. A position whose label is
+            outside the kept set (``logprobs = -inf``: the engine could not have sampled it from these logits)
+            gets ``kl = 0``: its reward is the given ``rewards`` (and the score), never an infinite penalty, and
+            no other position changes.
 
     Sequences are the rows of a ``[B, T]`` layout, the segments of ``cu_seqlens``, or the whole
     flat ``[N]`` layout.
@@ -142,8 +148,11 @@ def fused_kl_reward(
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True, shard=shard)
     scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
+    truncation = check_truncation(truncation)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
-                                      route.backend(backend, logits, ref), shard)
+                                      route.backend(backend, logits, ref), shard, truncation, layout)
+    if truncation is not None:
+        kl = torch.where(logp == float("-inf"), torch.zeros_like(kl), kl)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)
     shape = layout.shape

@@ -18,6 +18,7 @@ from kltriton.functional.token_kl import ref_is_logits
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.linear_logits import is_linear
+from kltriton.truncation import check_truncation
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -130,6 +131,21 @@ def _metrics(token, scored, entropy, is_info):
     return {k: v.detach() for k, v in metrics.items()}
 
 
+def _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full, backend, shard):
+    """``(StreamStats, outside)`` of the two-pass route with a truncated policy: its ``logp`` / ``entropy`` by
+    ``route.truncated_statistics``, the reference's log-probs by their own pass (no gradient); ``outside [N]``: the
+    scored positions whose label is outside the kept set."""
+    if full:
+        raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a truncation")
+    stats = route.truncated_statistics(logits, target, temperature, truncation, layout,
+                                       statistics.request(entropy=True), backend, shard)
+    if ref_logits is not None:
+        with torch.no_grad():
+            ref = route.statistics(ref_logits, None, target, temperature, statistics.request(), backend, shard)
+        stats = stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
+    return stats, (target >= 0) & (stats.logp == float("-inf"))
+
+
 # --- public function ----------------------------------------------------------------------------
 
 def policy_loss(
@@ -160,6 +176,7 @@ def policy_loss(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    truncation=None,
 ) -> PolicyLossOutput:
     """The policy loss ``agg(pg * is_weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
 
@@ -186,6 +203,11 @@ def policy_loss(
         process_group, vocab_start: vocab-parallel logits or ``LinearLogits`` weight shards (and the
             reference's), as in ``token_kl``: every rank gets the global loss and the gradient of its shard
             (the two-pass route).
+        truncation: a ``kltriton.Truncation``: the new log-probs (and entropy) are of the truncated distribution
+            the rollout engine sampled from, as in ``token_logprobs`` (the two-pass route). A position whose label is
+            outside the kept set (log-prob ``-inf``) is dropped from the loss and the metrics, as a masked
+            position is (its ``logprobs`` output stays ``-inf``, its ``ratio`` and ``kl`` are 0); the share of
+            such positions among the scored ones is ``metrics["outside_support_frac"]``. No other position changes.
 
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
@@ -222,6 +244,7 @@ def policy_loss(
         if ref is not None else None
     estimator_name = estimator.name if estimator is not None else ""
     temperature = check_temperature(temperature, device, logits.shape[:-1])
+    truncation = check_truncation(truncation)
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
                           shift_labels=shift_labels, with_seq_index=True, shard=shard)
@@ -260,7 +283,9 @@ def policy_loss(
     full = estimator is not None and estimator.needs_ref_logits
 
     is_info = None
-    fused = route.loss_route(logits, ref, loss_type, old is None and rollout is not None, shard) == "fused"
+    fused = truncation is None and route.loss_route(logits, ref, loss_type, old is None and rollout is not None,
+                                                    shard) == "fused"
+    outside = None
     if fused:
         if rollout is not None:
             is_info = _importance_weights(old, rollout.to(acc), is_mode, is_cap, scored, seq_index, num_seqs)
@@ -271,8 +296,16 @@ def policy_loss(
         logp, entropy = stats.logp, stats.entropy
     else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
         wanted = statistics.request(entropy=True, ref=ref_logits is not None, full_kl=full)
-        stats = route.statistics(logits, ref_logits, target, temperature, wanted,
-                                 route.backend(backend, logits, ref_logits), shard)
+        if truncation is not None:
+            stats, outside = _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full,
+                                              route.backend(backend, logits, ref_logits), shard)
+            scored = scored & ~outside
+            agg_w = _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon_t.to(acc), acc)
+            w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
+            w_ent = agg_w * runtime_scalar(-entropy_coef, device).to(acc)
+        else:
+            stats = route.statistics(logits, ref_logits, target, temperature, wanted,
+                                     route.backend(backend, logits, ref_logits), shard)
         logp, entropy = stats.logp, stats.entropy
         if rollout is not None:
             old_for_is = logp.detach() if old is None else old
@@ -280,11 +313,21 @@ def policy_loss(
         w_pg = agg_w if is_info is None else agg_w * is_info[0]
     ref_logp = stats.ref_logp if ref_logits is not None else (
         ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
+    reported_logp = logp
+    if outside is not None:  # dropped positions: finite stand-ins (weight 0, no gradient) so no term is NaN
+        stand_in = old if old is not None else torch.zeros_like(logp)
+        logp = torch.where(outside, stand_in.to(logp.dtype), logp)
+        ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
     token = terms.token_terms(loss_type, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
                               scored, seq_index, num_seqs)
+    if outside is not None:
+        zero = torch.zeros_like(token.ratio)
+        token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
     if not fused:
         loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
     metrics = _metrics(token, scored, entropy, is_info)
+    if outside is not None:
+        metrics["outside_support_frac"] = (outside.float().sum() / (scored | outside).float().sum().clamp(min=1))
     view = lambda t: t.detach().float().view(shape)  # noqa: E731
-    return PolicyLossOutput(loss, view(logp), view(ref_logp), view(token.kl), view(entropy), view(token.ratio),
-                            metrics)
+    return PolicyLossOutput(loss, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
+                            view(token.ratio), metrics)

@@ -12,6 +12,7 @@ from kltriton import estimators, route
 from kltriton._inputs import LOGIT_DTYPES, build_layout, check_logits, check_temperature
 from kltriton.kernels import statistics
 from kltriton.linear_logits import is_linear
+from kltriton.truncation import check_truncation
 
 
 class KLOutput(NamedTuple):
@@ -49,9 +50,12 @@ def ref_is_logits(logits: torch.Tensor, ref) -> bool:
 
 
 def kl_of_target(logits, ref, target, temperature, estimator: estimators.Estimator, kl_clamp, backend,
-                 shard=None):
+                 shard=None, truncation=None, layout=None):
     """``(kl, logp, ref_logp)`` as flat ``[N]`` tensors for a validated ``target``; differentiable
-    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch)."""
+    w.r.t. ``logits`` (the kernel's statistics, then the estimator in PyTorch). With a ``truncation`` (and the
+    call's ``layout``), the policy's log-probs are of its truncated distribution."""
+    if truncation is not None:
+        return _truncated_kl(logits, ref, target, temperature, estimator, kl_clamp, backend, shard, truncation, layout)
     if ref.dim() == logits.dim():
         wanted = statistics.request(ref=True, full_kl=estimator.needs_ref_logits)
         stats = route.statistics(logits, ref, target, temperature, wanted, backend, shard)
@@ -61,6 +65,28 @@ def kl_of_target(logits, ref, target, temperature, estimator: estimators.Estimat
         ref_flat = ref.detach().reshape(-1).to(stats.logp.dtype)
         ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
     kl = estimator.value(stats.logp, ref_logp, stats.full_kl, kl_clamp)
+    return kl, stats.logp, ref_logp
+
+
+def _truncated_kl(logits, ref, target, temperature, estimator, kl_clamp, backend, shard, truncation, layout):
+    """``kl_of_target`` with the policy truncated (the reference is not): the policy's statistics by
+    ``route.truncated_statistics``, the reference's by its own pass. Where the label is outside the policy's
+    kept set (``logp = -inf``) the KL is the estimator's limit: ``-inf`` for k1, ``+inf`` for the others."""
+    if estimator.needs_ref_logits:
+        raise ValueError("estimator='full' (the KL over the whole vocabulary) is not defined with a truncation; "
+                         "use a per-token estimator")
+    stats = route.truncated_statistics(logits, target, temperature, truncation, layout, statistics.request(),
+                                       backend, shard)
+    if ref.dim() == logits.dim():
+        with torch.no_grad():
+            ref_logp = route.statistics(ref, None, target, temperature, statistics.request(), backend, shard).logp
+    else:
+        ref_flat = ref.detach().reshape(-1).to(stats.logp.dtype)
+        ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
+    kl = estimator.value(stats.logp, ref_logp, None, kl_clamp)
+    outside = stats.logp == float("-inf")
+    limit = float("inf") if kl_clamp is None else float(kl_clamp)
+    kl = torch.where(outside & torch.isnan(kl), torch.full_like(kl, limit), kl)
     return kl, stats.logp, ref_logp
 
 
@@ -79,6 +105,7 @@ def token_kl(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    truncation=None,
 ) -> KLOutput:
     """Per-token KL of the policy against a reference at the labelled tokens.
 
@@ -103,6 +130,9 @@ def token_kl(
             gradient: one all-reduce).
         vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
             ``V_local``, learned with one small all-gather).
+        truncation: a ``kltriton.Truncation`` for the policy side (the reference stays untruncated), as in
+            ``token_logprobs``; where the label is outside the kept set the KL is ``-inf`` (k1) or ``+inf``.
+            Not with ``"full"``.
 
     Returns:
         ``KLOutput(kl, logprobs, ref_logprobs)``, each fp32 ``S``, 0 where not scored.
@@ -113,9 +143,10 @@ def token_kl(
     estimator = estimators.parse(estimator, ref_logits=ref_is_logits(logits, ref))
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
+    truncation = check_truncation(truncation)
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, shard=shard)
+                          shift_labels=shift_labels, shard=shard, with_seq_index=truncation is not None)
     kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
-                                      route.backend(backend, logits, ref), shard)
+                                      route.backend(backend, logits, ref), shard, truncation, layout)
     return KLOutput(kl.view(layout.shape), logp.view(layout.shape), ref_logp.view(layout.shape))

@@ -5,6 +5,7 @@ from kltriton import route
 from kltriton._inputs import build_layout, check_logits, check_temperature
 from kltriton.kernels import statistics
 from kltriton.linear_logits import is_linear
+from kltriton.truncation import check_truncation
 
 
 def token_logprobs(
@@ -20,6 +21,7 @@ def token_logprobs(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    truncation=None,
 ):
     """Log-probability of ``labels`` under ``softmax(logits / temperature)``, without ``[N, V]`` temporaries.
 
@@ -42,6 +44,10 @@ def token_logprobs(
             needs no communication (a ``LinearLogits`` hidden gradient: one all-reduce).
         vocab_start: first global id of this rank's shard (default: the sum of the lower ranks'
             ``V_local``, learned with one small all-gather).
+        truncation: a ``kltriton.Truncation``: the log-probs (and entropy) of the distribution the rollout
+            engine sampled from, restricted to its kept set (top-k / top-p / min-p recomputed from these
+            logits, or the engine's kept ids replayed): ``-inf`` where the label is outside the kept set (no
+            gradient there), gradients zero outside the kept set. See ``docs/api/truncation.md``.
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
@@ -51,10 +57,16 @@ def token_logprobs(
     if not is_linear(logits):
         check_logits(logits)
     temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
+    truncation = check_truncation(truncation)
     shard = route.shard(logits, process_group, vocab_start)
     layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, shard=shard)
-    stats = route.statistics(logits, None, layout.target, temperature,
-                             statistics.request(entropy=bool(return_entropy)), route.backend(backend, logits), shard)
+                          shift_labels=shift_labels, shard=shard, with_seq_index=truncation is not None)
+    wanted = statistics.request(entropy=bool(return_entropy))
+    if truncation is not None:
+        stats = route.truncated_statistics(logits, layout.target, temperature, truncation, layout, wanted, backend,
+                                           shard)
+    else:
+        stats = route.statistics(logits, None, layout.target, temperature, wanted, route.backend(backend, logits),
+                                 shard)
     logp = stats.logp.view(layout.shape)
     return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp

@@ -35,8 +35,8 @@ HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp")
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
 CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
-               "divergence.cpp")
-CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "row_mixture.h")
+               "truncation.cpp", "divergence.cpp")
+CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order
