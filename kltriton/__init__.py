@@ -13,8 +13,8 @@ from kltriton.functional.token_divergence import token_divergence
 from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.linear_logits import LinearLogits
-from kltriton.truncation import Truncation
 from kltriton.topk import TopK
+from kltriton.truncation import Truncation
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ def info() -> int:
     for family, what in dispatch.FAMILIES.items():
         on_cpu = dispatch.resolve(None, family, "cpu", False)
         on_cuda = dispatch.resolve(None, family, "cuda", False) if cuda else "no CUDA device here"
-        print(f"  {family:<8} CPU tensors -> {on_cpu}; CUDA tensors -> {on_cuda}   ({what})")
+        print(f"  {family:<10} CPU tensors -> {on_cpu}; CUDA tensors -> {on_cuda}   ({what})")
     print("family x backend:")
     for family in dispatch.FAMILIES:
         for name in dispatch.BACKENDS:
@@ -37,7 +37,7 @@ def info() -> int:
             if usable and name == "triton" and not cuda and not dispatch.triton_interpreted():
                 usable, why = False, ("installed, but no CUDA device here; TRITON_INTERPRET=1 runs CPU tensors "
                                       "through its interpreter (for tests, far too slow for work)")
-            print(f"  {family:<8} {name:<10} {'yes' if usable else 'no':<4} {why}")
+            print(f"  {family:<10} {name:<10} {'yes' if usable else 'no':<4} {why}")
     return 0
 
 

@@ -20,6 +20,7 @@ COMPILE_ALL = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from benchmarks import static
+    from kltriton.kernels.divergence import triton as td
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
 
@@ -27,7 +28,7 @@ COMPILE_ALL = textwrap.dedent('''
     # A reference in another dtype than the policy (e.g. a bf16 policy, an fp32 reference).
     for dtype, ref_dtype in (("bf16", "fp32"), ("fp32", "bf16"), ("fp16", "fp32")):
         for name, launch, variant, absent in ts.launches(32000, static.BYTES[dtype]):
-            if variant in ("fwd+ref", "bwd+plogp+plogq"):  # the variants that read the reference
+            if variant in ("fwd+ref", "bwd+plogp+plogq", "bwd+q"):  # the variants that read the reference
                 constants = dict(launch.constexprs, **{a: None for a in absent})
                 static.compile_kernel(getattr(ts, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
                 count += 1
@@ -36,6 +37,10 @@ COMPILE_ALL = textwrap.dedent('''
                 constants = dict(launch.constexprs, **{a: None for a in absent})
                 static.compile_kernel(getattr(tl_loss, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
                 count += 1
+        for name, launch, variant, absent in td.launches(32000, static.BYTES[dtype]):  # a teacher in its dtype
+            constants = dict(launch.constexprs, **{a: None for a in absent})
+            static.compile_kernel(getattr(td, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
+            count += 1
     # The fused formulas that STATIC_VARIANTS leaves out, with TRL's bias-corrected KL (a runtime value).
     others = tuple((f, False, f, "k1", False) for f in tl_loss.terms.FUSED
                    if f not in {v[2] for v in tl_loss.STATIC_VARIANTS})
@@ -58,9 +63,10 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    # Per dtype: 6 forward variants, their 6 combine kernels, 3 backward variants, the fused loss
-    # kernel's 6 STATIC_VARIANTS and the entropy mask's 2 accumulate variants, the truncation family's 4 forward
-    # and 2 backward variants (75); mixed reference dtypes: forward with a reference and the backward with the log
-    # q term for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits there) (7), and the loss
-    # kernel's 3 variants with reference logits for 3 pairs (9); the 4 other fused formulas (4); the scale kernel (3).
-    assert "compiled 92" in done.stdout
+    # Per dtype: 8 forward variants, their 8 combine kernels, 5 backward variants, the fused loss kernel's
+    # STATIC_VARIANTS and the entropy mask's accumulate variants, the JSD pass and its gradient, the truncation
+    # family's 4 forward and 2 backward variants; mixed reference dtypes: forward with a reference and the backward
+    # with the log q and the q terms for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits
+    # there), the loss kernel's variants with reference logits and the JSD kernels for 3 pairs; the fused formulas
+    # that STATIC_VARIANTS leaves out; the scale kernel.
+    assert "compiled COUNT" in done.stdout, done.stdout

@@ -39,6 +39,21 @@ want_x, want_weight, want_bias, tile_elements) -> (StreamStats, d_x, d_weight, d
     ``d_weight`` / ``d_bias`` (as ``backward`` returns them; ``None`` where not wanted). Three GEMMs per tile instead of the four of
     ``forward`` + ``backward`` (no recomputed logits), and no second pass over the rows.
 
+``column_forward(policy, target, temperature, wanted, ids, tile_elements) -> (StreamStats, column_logits)``
+``column_backward(policy, target, temperature, lse, c_p, ids, c_columns, want_x, want_weight, want_bias,
+tile_elements) -> (d_x, d_weight, d_bias)``
+    A top-k teacher's columns (``kltriton.ops.divergence``): ``forward`` of the policy alone, and its logits at
+    ``ids [N, K]`` (``-1``: none) gathered from the same tiles; the gradient ``c_columns`` at ``ids`` ``- p * c_p``
+    (``[N, K]``, ``[N]``, already divided by ``T``; the columns set in each tile's gradient before its GEMMs).
+
+``jsd_forward(policy, ref, target, temperature, lse, ref_lse, beta, tile_elements) -> (jsd, kl_student)``
+``jsd_backward(policy, ref, target, temperature, lse, ref_lse, beta, kl_student, coef, want_x, want_weight,
+want_bias, tile_elements) -> (d_x, d_weight, d_bias)``
+``divergence_loss(policy, ref, target, temperature, kind, beta, weight, entropy, want_x, want_weight, want_bias,
+tile_elements) -> (StreamStats, divergence, d_x, d_weight, d_bias)``
+    The ``divergence`` family (``kltriton.kernels.divergence``) on GEMM tiles: the JSD pass per vocab tile (sums
+    added), its gradient per tile, and the divergence loss on tiles of whole rows (``tiles.bind_divergence``).
+
 Memory: one ``[tile_rows, vocab_tile]`` tile (two in the backward: the tile and its gradient) plus
 ``O(N)`` plus the fp32 accumulators of the parameter gradients. Default budget ``DEFAULT_TILE``
 elements per device, or ``KLTRITON_LINEAR_TILE``, or ``LinearLogits(..., tile_elements=)``.

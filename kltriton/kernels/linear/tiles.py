@@ -336,15 +336,14 @@ def bind_divergence(divergence):
 
 
 def _column_chunks(side, ids, ok, tile_elements):
-    """``(rows, ids, weight_rows)`` per chunk of rows: the rows' ``[c, K]`` ids (padding ``-1`` read as 0) and, for
-    a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size depends on ``K`` and
-    ``H`` only (batch invariance). ``ok``: only the rows where it holds (one host sync, the count), or None: every
-    row (no data-dependent shape: the gradients, which torch.compile traces)."""
+    """``(rows, ids, weight_rows)`` per chunk of the rows where ``ok``: the rows' ``[c, K]`` ids (padding ``-1`` read
+    as 0) and, for a projection, their ``[c, K, H]`` weight rows in the accumulation dtype. A chunk's size depends
+    on ``K`` and ``H`` only (batch invariance); one host sync (the count)."""
     acc = accumulation_dtype(side.x.dtype)
     k = ids.shape[-1]
     width = 1 if side.weight is None else side.weight.shape[1]
     step = max(1, tile_elements // max(k * width, 1))
-    chosen = torch.arange(ids.shape[0], device=ids.device) if ok is None else torch.nonzero(ok).squeeze(1)
+    chosen = torch.nonzero(ok).squeeze(1)
     for start in range(0, chosen.shape[0], step):
         rows = chosen[start:start + step]
         cols = ids[rows].clamp(min=0)
