@@ -21,7 +21,6 @@ from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype, statistics
 from kltriton.kernels.linear import Side, tiles
 from kltriton.ops._define import define_op
-from kltriton.ops.linear import linear_backward
 from kltriton.ops.loss import scaled
 from kltriton.ops.stream import stream_backward
 

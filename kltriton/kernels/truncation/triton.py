@@ -25,7 +25,6 @@ import triton.language as tl
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as tr
 from kltriton.kernels.rows import num_rows
-from kltriton.kernels.statistics import StreamStats
 
 THRESHOLDS = 8         # census thresholds per pass (a power of two: a tensor dimension)
 CENSUS_PER_THREAD = 4  # vocab entries per thread per selection-pass iteration
