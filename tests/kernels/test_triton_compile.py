@@ -69,4 +69,4 @@ def test_kernels_compile_for_sm90():
     # with the log q and the q terms for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits
     # there), the loss kernel's variants with reference logits and the JSD kernels for 3 pairs; the fused formulas
     # that STATIC_VARIANTS leaves out; the scale kernel.
-    assert "compiled COUNT" in done.stdout, done.stdout
+    assert "compiled 143" in done.stdout, done.stdout
