@@ -167,12 +167,12 @@ def _stream_backward_kernel(
         ref_lse = 0.0
         c_p_logq = 0.0
         c_q = 0.0
-        if tr.BASIS_P_LOGQ & TERMS:
-            c_p_logq = tl.load(c_p_logq_ptr + row)
-        if tr.BASIS_Q & TERMS:
-            c_q = tl.load(c_q_ptr + row)
         if (tr.BASIS_P_LOGQ | tr.BASIS_Q) & TERMS:
             ref_lse = tl.load(ref_lse_ptr + row)
+            if tr.BASIS_P_LOGQ & TERMS:
+                c_p_logq = tl.load(c_p_logq_ptr + row)
+            if tr.BASIS_Q & TERMS:
+                c_q = tl.load(c_q_ptr + row)
             y_row = ref_ptr + tr.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
         basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, c_p_logq, c_q)
