@@ -1,7 +1,11 @@
 """Shared test setup: Triton runs on CPU through its interpreter (set before any kernel is defined)."""
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's on-disk caches of a test session are its own: a cache left by an older kltriton (other custom-op
+# signatures) must not serve its compiled graphs here.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kltriton-test-inductor-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
