@@ -69,3 +69,14 @@ class Side(NamedTuple):
     bias: Optional[torch.Tensor]     # [V]
     scale: Optional[torch.Tensor]    # 0-dim float64 logit scale, None = 1
     softcap: Optional[torch.Tensor]  # 0-dim float64, None = no tanh cap
+
+
+def scaled_and_capped(linear: torch.Tensor, scale: Optional[torch.Tensor],
+                      softcap: Optional[torch.Tensor]) -> torch.Tensor:
+    """The LM head's logits from ``linear = hidden @ weight.T + bias`` (any shape): ``softcap * tanh(scale * linear /
+    softcap)``, each step only when given; out of place and differentiable (the tiles apply it in place)."""
+    if scale is not None:
+        linear = linear * scale
+    if softcap is not None:
+        linear = torch.tanh(linear / softcap) * softcap
+    return linear

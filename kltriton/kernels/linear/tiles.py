@@ -11,6 +11,7 @@ from kltriton._env import env_int
 
 from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
 from kltriton.kernels.divergence.composed import wanted as divergence_wanted
+from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.loss import LossInputs, wanted as loss_wanted
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import NOT_HERE, StreamStats
@@ -369,11 +370,7 @@ def _column_values(side, rows, cols, weight_rows):
     z = (weight_rows * _operand(_take(side.x.detach(), rows), acc)[:, None, :]).sum(-1)
     if side.bias is not None:
         z = z + side.bias.detach()[cols].to(acc)
-    if side.scale is not None:
-        z = z * side.scale
-    if side.softcap is not None:
-        z = torch.tanh(z / side.softcap) * side.softcap
-    return z
+    return scaled_and_capped(z, side.scale, side.softcap)
 
 
 def column_logits(side, ids, ok, tile_elements):

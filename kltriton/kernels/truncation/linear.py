@@ -4,6 +4,7 @@ one tile of rows at a time (``tile_rows x V`` fp32, the working tile) and each t
 tile (and its gradient) plus ``O(N)``."""
 import torch
 
+from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.statistics import StreamStats
 
 
@@ -15,11 +16,7 @@ def head(side, start: int, stop: int) -> torch.Tensor:
     y = h @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
-    if scale is not None:
-        y = y * scale.float()
-    if softcap is not None:
-        y = softcap.float() * torch.tanh(y / softcap.float())
-    return y
+    return scaled_and_capped(y, scale, softcap)
 
 
 class _Tiles(torch.autograd.Function):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype, statistics
+from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
@@ -77,13 +78,11 @@ def _project_tile(hidden, weight, bias, ids, scale, softcap):
     linear = torch.bmm(w_rows, hidden.float()[:, :, None]).squeeze(2)
     if bias is not None:
         linear = linear + bias[ids].float()
-    s = 1.0 if scale is None else scale.float()
-    y = linear * s
-    if softcap is None:
-        return y, torch.ones_like(y) * s, w_rows
-    c = softcap.float()
-    th = torch.tanh(y / c)
-    return c * th, s * (1 - th * th), w_rows
+    y = scaled_and_capped(linear, scale, softcap)
+    slope = torch.ones_like(y) if scale is None else torch.ones_like(y) * scale.float()
+    if softcap is not None:  # d(c tanh(u / c)) / du = 1 - (y / c)^2
+        slope = slope * (1 - (y / softcap).square())
+    return y, slope, w_rows
 
 
 def project(side, ids: torch.Tensor, tile_elements: int) -> torch.Tensor:
