@@ -121,34 +121,35 @@ def check_temperature(temperature, device, shape=None) -> torch.Tensor:
     return runtime_scalar(temperature, device)
 
 
-def _check_same_leading(name, tensor, logits, integer=False, boolean=False):
-    """``integer``: an integer tensor; ``boolean``: bool or integer (a Hugging Face attention_mask)."""
+def _check_same_leading(name, tensor, shape, device, integer=False, boolean=False):
+    """``tensor`` of the logits' leading ``shape`` on ``device``. ``integer``: an integer tensor; ``boolean``: bool
+    or integer (a Hugging Face attention_mask)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {tensor.dtype}")
     if boolean and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise TypeError(f"{name} must be a bool or integer tensor (0 = not scored), got {tensor.dtype}")
-    if tuple(tensor.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{name} must have shape {tuple(logits.shape[:-1])} (the logits' leading "
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading "
                          f"shape), got {tuple(tensor.shape)}")
-    if tensor.device != logits.device:
-        raise ValueError(f"{name} is on {tensor.device} but logits are on {logits.device}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
 
 
-def _check_cu_seqlens(cu_seqlens, logits):
+def _check_cu_seqlens(cu_seqlens, shape, device):
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if logits.dim() != 2:
-        raise ValueError(f"cu_seqlens needs flat packed logits [N, V], got shape {tuple(logits.shape)}")
+    if len(shape) != 1:
+        raise ValueError(f"cu_seqlens needs flat packed logits [N, V], got leading shape {tuple(shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1], got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != logits.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {logits.device}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {device}")
     if host_checks():
-        n = logits.shape[0]
+        n = shape[0]
         first, last = cu_seqlens[0].item(), cu_seqlens[-1].item()
         if first != 0 or last != n:
             raise ValueError(f"cu_seqlens must start at 0 and end at N={n}, got {first} ... {last}")
@@ -175,26 +176,25 @@ def _last_positions(cu_seqlens, n):
     return torch.remainder(cu_seqlens[1:].long() - 1, n)
 
 
-def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels, with_seq_index=False,
-                 shard=None) -> Layout:
-    """Validate the label-side arguments against ``logits`` and build the flat ``target``.
-    Labels must lie in ``[0, vocab)``: ``logits.shape[-1]``, or with a vocab ``shard``
-    (``kltriton.parallel.VocabShard``) the vocabulary its ranks' shards cover together."""
-    if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == logits.dim() - 1 >= 1
-            and labels.shape[:-1] == logits.shape[:-2] and labels.shape[-1] == logits.shape[-2] + 1):
+def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels,
+                 with_seq_index=False, spans: str = "") -> Layout:
+    """Validate the label-side arguments against the logits' leading ``shape`` (on ``device``) and build the flat
+    ``target``. Labels must lie in ``[0, vocab)``: the global vocabulary (``spans``: how the ranks' shards cover
+    it, for the error message)."""
+    shape = torch.Size(shape)
+    if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == len(shape) >= 1
+            and labels.shape[:-1] == shape[:-1] and labels.shape[-1] == shape[-1] + 1):
         raise ValueError(f"labels {tuple(labels.shape)} are one longer than the logits' positions "
-                         f"{tuple(logits.shape[:-1])}: pass the unsliced logits with shift_labels=True, or sliced "
+                         f"{tuple(shape)}: pass the unsliced logits with shift_labels=True, or sliced "
                          f"logits with labels[:, 1:] and shift_labels=False")
-    _check_same_leading("labels", labels, logits, integer=True)
+    _check_same_leading("labels", labels, shape, device, integer=True)
     if mask is not None:
-        _check_same_leading("mask", mask, logits, boolean=True)
+        _check_same_leading("mask", mask, shape, device, boolean=True)
         mask = mask if mask.dtype == torch.bool else mask != 0
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, logits)
-    shape = logits.shape[:-1]
-    vocab = logits.shape[-1] if shard is None else shard.vocab
+        _check_cu_seqlens(cu_seqlens, shape, device)
     n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")
@@ -211,7 +211,7 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     in_range = (labels >= 0) & (labels < vocab)
     if host_checks() and n and bool((scored & ~in_range).any()):
         bad = labels[scored & ~in_range][0].item()
-        where = f", the vocabulary the ranks' shards cover ({shard.spans})" if shard is not None and shard.spans else ""
+        where = f", the vocabulary the ranks' shards cover ({spans})" if spans else ""
         raise ValueError(f"labels must lie in [0, V={vocab}){where} or equal ignore_index={ignore_index}; found {bad}")
     target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
@@ -219,14 +219,14 @@ def build_layout(logits, labels, *, ignore_index, mask, cu_seqlens, shift_labels
     if labels.dim() >= 2:
         num_seqs = n // shape[-1] if shape[-1] else shape[:-1].numel()
         if with_seq_index:
-            seq_index = torch.arange(n, device=logits.device) // max(shape[-1], 1)
+            seq_index = torch.arange(n, device=device) // max(shape[-1], 1)
     elif cu_seqlens is not None:
         num_seqs = cu_seqlens.numel() - 1
         if with_seq_index:
-            positions = torch.arange(n, device=logits.device, dtype=cu_seqlens.dtype)
+            positions = torch.arange(n, device=device, dtype=cu_seqlens.dtype)
             seq_index = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
     else:
         num_seqs = 1
         if with_seq_index:
-            seq_index = torch.zeros(n, dtype=torch.long, device=logits.device)
+            seq_index = torch.zeros(n, dtype=torch.long, device=device)
     return Layout(target.contiguous(), shape, num_seqs, seq_index)

@@ -6,8 +6,8 @@ Accepted wherever kltriton accepts logits (``kltriton.route`` sends it to the ``
 
 import torch
 
-from kltriton._inputs import LOGIT_DTYPES, check_float, runtime_scalar
-from kltriton.kernels.linear import Side
+from kltriton._dtensor import zero3_placeholder
+from kltriton._inputs import LOGIT_DTYPES, check_float
 
 
 class LinearLogits:
@@ -28,9 +28,21 @@ class LinearLogits:
     Only scored positions are projected, in fp32-accumulated GEMM tiles; peak extra memory is the
     tile (two in the backward) plus ``O(N)`` plus the parameter gradients. Gradients reach
     ``hidden``, ``weight`` and ``bias`` of the policy side (a reference side gets none).
+
+    DTensors (``docs/api/dtensor.md``): a ``Shard(0)`` weight (and bias) with ``Replicate`` DTensor hidden states on
+    the same mesh dimension is a tensor-parallel head (vocab-parallel); a ``Shard(0)`` weight with plain hidden
+    states is refused (an FSDP2 parameter outside its module's forward looks the same). A DeepSpeed ZeRO-3
+    placeholder (0 elements) is refused with the fix.
     """
 
     def __init__(self, hidden, weight, bias=None, *, logit_scale=1.0, softcap=None, tile_elements=None):
+        for name, t in (("weight", weight), ("bias", bias)):
+            if zero3_placeholder(t):
+                raise ValueError(f"LinearLogits {name} is a DeepSpeed ZeRO-3 placeholder (0 elements, real shape "
+                                 f"{tuple(t.ds_shape)}): ZeRO-3 gathers a parameter only inside its module's forward. "
+                                 f"Build the LinearLogits (and call kltriton) inside "
+                                 f"`with deepspeed.zero.GatheredParameters([{name}]):`, or inside the module's "
+                                 f"forward (kltriton.integrations do this for you inside the trainers).")
         for name, t in (("hidden", hidden), ("weight", weight)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -61,7 +73,7 @@ class LinearLogits:
         self.logit_scale, self.softcap = float(logit_scale), None if softcap is None else float(softcap)
         self.tile_elements = tile_elements
 
-    # The tensor-like surface the label checks use (``kltriton._inputs.build_layout``).
+    # The tensor-like surface of logits ``[..., V]`` (global shapes for DTensors).
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
@@ -77,18 +89,9 @@ class LinearLogits:
     def dim(self) -> int:
         return self.hidden.dim()
 
-    def side(self) -> Side:
-        scale = None if self.logit_scale == 1.0 else runtime_scalar(self.logit_scale, self.device)
-        softcap = None if self.softcap is None else runtime_scalar(self.softcap, self.device)
-        return Side(self.hidden, self.weight, self.bias, scale, softcap)
-
     def __repr__(self):
         return (f"LinearLogits(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
                 f"bias={self.bias is not None}, logit_scale={self.logit_scale}, softcap={self.softcap})")
-
-
-def is_linear(logits) -> bool:
-    return isinstance(logits, LinearLogits)
 
 
 def head_scaling(config):

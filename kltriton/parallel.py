@@ -22,7 +22,6 @@ The collectives are ``torch.distributed._functional_collectives`` (``all_gather_
 ``all_reduce``), which ``torch.compile`` traces; the autograd functions never differentiate through
 a collective.
 """
-import math
 import os
 from typing import NamedTuple, Optional, Tuple, Union
 
@@ -78,8 +77,9 @@ def _check_tiling(table, vocab_start):
         end = stop
 
 
-def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[VocabShard]:
-    """This rank's shard of the vocabulary, or ``None`` without a process group.
+def vocab_shard(size: int, rows: int, device, process_group, vocab_start) -> Optional[VocabShard]:
+    """This rank's shard of the vocabulary (``size`` ids, the shard of ``rows`` positions on ``device``), or ``None``
+    without a process group.
 
     ``vocab_start=None`` learns it with one all-gather of 3 int64 per rank (the sum of the lower
     ranks' ``V_local``). With validation on (``kltriton.set_validation``), the same all-gather checks
@@ -103,14 +103,11 @@ def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[Vo
             raise TypeError(f"vocab_start must be an int or None, got {type(vocab_start).__name__}")
         if vocab_start < 0:
             raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    size = logits.shape[-1]  # logits: a tensor or a LinearLogits
     validate = host_checks()
     if vocab_start is not None and not validate:
         return VocabShard(process_group, vocab_start, size, UNBOUNDED)
     rank = dist.get_rank(process_group)
-    rows = math.prod(logits.shape[:-1])
-    mine = torch.tensor([-1 if vocab_start is None else vocab_start, size, rows], dtype=torch.int64,
-                        device=logits.device)
+    mine = torch.tensor([-1 if vocab_start is None else vocab_start, size, rows], dtype=torch.int64, device=device)
     table = _all_gather(mine, process_group).view(-1, 3)
     if not validate:  # vocab_start is None: learn it on the device, no host sync
         sizes = table[:, 1]
@@ -122,6 +119,20 @@ def vocab_shard(logits: torch.Tensor, process_group, vocab_start) -> Optional[Vo
     _check_tiling(table, vocab_start)
     spans = ", ".join(f"rank {r}: [{start}, {start + local})" for r, (start, local, _) in enumerate(table))
     return VocabShard(process_group, table[rank][0], size, sum(entry[1] for entry in table), spans)
+
+
+def same_group(group, other) -> bool:
+    """Whether two process groups hold the same ranks (a DeviceMesh's group may be another object)."""
+    return group is other or dist.get_process_group_ranks(group) == dist.get_process_group_ranks(other)
+
+
+def chunked_shard(group, start: int, size: int, vocab: int) -> VocabShard:
+    """The ``VocabShard`` of a DTensor's vocabulary dimension, sharded over ``group`` as ``torch.chunk`` splits it
+    (``ceil(V / n)`` ids a rank, the last ones shorter or empty): known from the placement, no collective."""
+    parts = dist.get_world_size(group)
+    chunk = -(-vocab // parts)
+    spans = ", ".join(f"rank {r}: [{min(r * chunk, vocab)}, {min((r + 1) * chunk, vocab)})" for r in range(parts))
+    return VocabShard(group, start, size, vocab, spans)
 
 
 def exchange_stats(local: StreamStats, has_label: torch.Tensor, wanted: int, group) -> Tuple[StreamStats, torch.Tensor]:

@@ -50,7 +50,3 @@ class TopK:
 
     def __repr__(self):
         return f"TopK(ids={tuple(self.ids.shape)}, min_logprob={self.min_logprob})"
-
-
-def is_topk(teacher) -> bool:
-    return isinstance(teacher, TopK)

@@ -8,12 +8,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton import estimators, route
-from kltriton._inputs import build_layout, check_float, check_logits, check_temperature, runtime_scalar
-from kltriton.functional.token_kl import kl_of_target, ref_is_logits
+from kltriton import estimators
+from kltriton._inputs import check_float, runtime_scalar
+from kltriton.front_door import enter, local_rows
+from kltriton.functional.token_kl import kl_of_call
 from kltriton.kernels import SKIP
-from kltriton.linear_logits import is_linear
-from kltriton.truncation import check_truncation
 
 
 class KLReward(NamedTuple):
@@ -52,34 +51,34 @@ def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_
     return reward, kl_per_seq
 
 
-def _check_coef(coef, logits):
+def _check_coef(coef, device):
     if isinstance(coef, torch.Tensor):
         if not coef.dtype.is_floating_point:
             raise TypeError(f"coef must be a float or a 0-dim floating tensor, got {coef.dtype}")
         if coef.dim() != 0:
             raise ValueError(f"coef must be a float or a 0-dim tensor, got shape {tuple(coef.shape)}")
-        if coef.device != logits.device:
-            raise ValueError(f"coef is on {coef.device} but logits are on {logits.device}")
+        if coef.device != device:
+            raise ValueError(f"coef is on {coef.device} but logits are on {device}")
         return coef.detach()
     if isinstance(coef, bool) or not isinstance(coef, (int, float)):
         raise TypeError(f"coef must be a float or a 0-dim tensor, got {type(coef).__name__}")
-    return runtime_scalar(check_float("coef", coef), logits.device)
+    return runtime_scalar(check_float("coef", coef), device)
 
 
-def _check_rewards(rewards, logits):
+def _check_rewards(rewards, shape, device):
     if rewards is None:
         return None
-    shape = tuple(logits.shape[:-1])
+    shape = tuple(shape)
     if not isinstance(rewards, torch.Tensor) or not rewards.dtype.is_floating_point:
         raise TypeError("rewards must be a floating tensor")
     if tuple(rewards.shape) not in (shape, shape + (1,)):
         raise ValueError(f"rewards must have shape {shape} or {shape + (1,)}, got {tuple(rewards.shape)}")
-    if rewards.device != logits.device:
-        raise ValueError(f"rewards is on {rewards.device} but logits are on {logits.device}")
+    if rewards.device != device:
+        raise ValueError(f"rewards is on {rewards.device} but logits are on {device}")
     return rewards.detach()
 
 
-def _check_scores(scores, num_seqs, logits, score_clip):
+def _check_scores(scores, num_seqs, device, score_clip):
     score_clip = check_float("score_clip", score_clip, above=0.0, allow_none=True)
     if scores is None:
         return None, score_clip
@@ -87,8 +86,8 @@ def _check_scores(scores, num_seqs, logits, score_clip):
         raise TypeError("scores must be a floating tensor of shape [num_seqs]")
     if scores.numel() != num_seqs or scores.dim() > 2:
         raise ValueError(f"scores must have shape [num_seqs] = [{num_seqs}], got {tuple(scores.shape)}")
-    if scores.device != logits.device:
-        raise ValueError(f"scores is on {scores.device} but logits are on {logits.device}")
+    if scores.device != device:
+        raise ValueError(f"scores is on {scores.device} but logits are on {device}")
     return scores.detach(), score_clip
 
 
@@ -137,21 +136,18 @@ def fused_kl_reward(
         ``rewards`` unchanged, or 0) and ``kl_per_seq [num_seqs]``, the mean ``kl`` over each sequence's scored
         positions (0 if it has none). Gradient flows to the policy ``logits`` through ``kl``.
     """
-    if not is_linear(logits):
-        check_logits(logits)
-    estimator = estimators.parse(estimator, ref_logits=ref_is_logits(logits, ref))
+    call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
+                 cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
+                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
+    estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
-    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
-    coef = _check_coef(coef, logits)
-    rewards = _check_rewards(rewards, logits)
-    shard = route.shard(logits, process_group, vocab_start)
-    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True, shard=shard)
-    scores, score_clip = _check_scores(scores, layout.num_seqs, logits, score_clip)
-    truncation = check_truncation(truncation)
-    kl, logp, ref_logp = kl_of_target(logits, ref, layout.target, temperature, estimator, kl_clamp,
-                                      route.backend(backend, logits, ref), shard, truncation, layout)
-    if truncation is not None:
+    layout = call.layout
+    coef = _check_coef(local_rows(coef, "coef"), call.device)
+    rewards = _check_rewards(None if rewards is None else local_rows(rewards, "rewards"), layout.shape, call.device)
+    scores, score_clip = _check_scores(None if scores is None else local_rows(scores, "scores"), layout.num_seqs,
+                                       call.device, score_clip)
+    kl, logp, ref_logp = kl_of_call(call, estimator, kl_clamp)
+    if call.truncation is not None:
         kl = torch.where(logp == float("-inf"), torch.zeros_like(kl), kl)
     reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
                                        rewards, scores, score_clip)

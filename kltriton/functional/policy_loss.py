@@ -17,12 +17,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators, route
-from kltriton._inputs import build_layout, check_float, check_logits, check_temperature, runtime_scalar
-from kltriton.functional.token_kl import ref_is_logits
+from kltriton._inputs import check_float, runtime_scalar
+from kltriton.front_door import enter, local_rows
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, terms
-from kltriton.linear_logits import is_linear
-from kltriton.truncation import check_truncation
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -42,6 +40,7 @@ class PolicyLossOutput(NamedTuple):
 # --- argument checks ---------------------------------------------------------------------------
 
 def _check_per_token(name, tensor, shape, device, allow_none=True):
+    tensor = local_rows(tensor, name)
     if tensor is None:
         if allow_none:
             return None
@@ -58,6 +57,7 @@ def _check_per_token(name, tensor, shape, device, allow_none=True):
 def _per_token_or_sequence(name, tensor, shape, device, num_seqs, seq_index, acc):
     """``[N]`` from a tensor of shape ``S``, ``[num_seqs]``, or ``[B, 1]`` for ``S = [B, T]`` (TRL's sequence-level
     shape)."""
+    tensor = local_rows(tensor, name)
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor of shape S or [num_seqs]")
     if tensor.device != device:
@@ -191,19 +191,17 @@ def _metrics(token, scored, entropy, is_info, parts, extra):
     return {k: v.detach() for k, v in metrics.items()}
 
 
-def _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full, backend, shard):
-    """``(StreamStats, outside)`` of the two-pass route with a truncated policy: its ``logp`` / ``entropy`` by
-    ``route.truncated_statistics``, the reference's log-probs by their own pass (no gradient); ``outside [N]``: the
-    scored positions whose label is outside the kept set."""
+def _truncated_stats(call, full):
+    """``(StreamStats, outside)`` of the two-pass route with a truncated policy: its ``logp`` / ``entropy`` of the
+    truncated distribution, the reference's log-probs by their own pass (no gradient); ``outside [N]``: the scored
+    positions whose label is outside the kept set."""
     if full:
         raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a truncation")
-    stats = route.truncated_statistics(logits, target, temperature, truncation, layout,
-                                       statistics.request(entropy=True), backend, shard)
-    if ref_logits is not None:
-        with torch.no_grad():
-            ref = route.statistics(ref_logits, None, target, temperature, statistics.request(), backend, shard)
+    stats = route.statistics(call, statistics.request(entropy=True))
+    if call.ref is not None:
+        ref = route.reference_statistics(call, statistics.request())
         stats = stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
-    return stats, (target >= 0) & (stats.logp == float("-inf"))
+    return stats, (call.layout.target >= 0) & (stats.logp == float("-inf"))
 
 
 # --- public function ----------------------------------------------------------------------------
@@ -319,9 +317,10 @@ def policy_loss(
         their coefficients), with ``rollout_logprobs``: ``is_weight_mean``, ``is_masked_frac``, ``mismatch_k3``;
         with the entropy mask ``entropy_threshold``; with VESPO ``vespo_phi_mean``.
     """
-    if not is_linear(logits):
-        check_logits(logits)
-    device, shape = logits.device, logits.shape[:-1]
+    call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
+                 cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
+                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
+    device, shape, layout = call.device, call.layout.shape, call.layout
     spec = terms.loss_type_of(loss_type)
     params = terms.loss_parameters(loss_type, loss_parameters)
     aggregation = spec.aggregation if aggregation is None else aggregation
@@ -377,24 +376,19 @@ def policy_loss(
     if dual_clip is not None and formula != "ppo":
         raise ValueError(f"dual_clip applies to the PPO formula ({_names_of('ppo')}), got loss_type={loss_type!r}")
 
-    with_ref_logits = ref is not None and ref_is_logits(logits, ref)
+    with_ref_logits = call.ref is not None
     if ref is None and kl_coef != 0.0:
         raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
     estimator = estimators.parse(kl_estimator, ref_logits=with_ref_logits, argument="kl_estimator") \
         if ref is not None else None
     estimator_name = estimator.name if estimator is not None else ""
-    temperature = check_temperature(temperature, device, logits.shape[:-1])
-    truncation = check_truncation(truncation)
-    shard = route.shard(logits, process_group, vocab_start)
-    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, with_seq_index=True, shard=shard)
     target, seq_index, num_seqs = layout.target, layout.seq_index, layout.num_seqs
     n = target.numel()
-    acc = accumulation_dtype(logits.dtype)
+    acc = accumulation_dtype(call.dtype)
 
     if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
         raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
-    per_sequence_advantages = tuple(advantages.shape) != tuple(shape)
+    per_sequence_advantages = tuple(local_rows(advantages, "advantages").shape) != tuple(shape)
     adv = _per_token_or_sequence("advantages", advantages, shape, device, num_seqs, seq_index, acc)
     old = _check_per_token("old_logprobs", old_logprobs, shape, device)
     old = None if old is None else old.to(acc)
@@ -402,7 +396,7 @@ def policy_loss(
     rollout = None if rollout is None else rollout.to(acc)
     given_is = None if rollout_is_weights is None else _per_token_or_sequence(
         "rollout_is_weights", rollout_is_weights, shape, device, num_seqs, seq_index, acc)
-    ref_logp_given = None if ref is None or with_ref_logits else _check_per_token("ref", ref, shape, device).to(acc)
+    ref_logp_given = None if call.ref_logprobs is None else call.ref_logprobs.to(acc)
 
     scored = target != SKIP
     if num_seqs_agg is None and spec.all_sequences:  # TRL's .mean() over the sequences, empty ones included
@@ -430,7 +424,6 @@ def policy_loss(
                                **{name: runtime_scalar(value, device) for name, value in params.items()
                                   if isinstance(value, float)})
     w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
-    ref_logits = (ref if is_linear(ref) else ref.detach()) if with_ref_logits else None
     full = estimator is not None and estimator.needs_ref_logits
 
     # Per-row policy-term weights known before the logits are read: the given IS weights (VESPO reads them inside
@@ -448,7 +441,7 @@ def policy_loss(
     on_policy_is = old is None and rollout is not None
     whole_sequences = (sequence_level or on_policy_is or off_policy is not None
                        or (quantile is not None and entropy_coef != 0.0))
-    fused = truncation is None and route.loss_route(logits, ref, formula, whole_sequences, shard) == "fused"
+    fused = route.loss_route(call, formula, whole_sequences) == "fused"
     minus_entropy_coef = runtime_scalar(-entropy_coef, device).to(acc)
 
     def entropy_aggregation_weights(keep):
@@ -470,24 +463,21 @@ def policy_loss(
         w_pg = agg_pg * pg_weight
         w_ent = entropy_aggregation_weights(None) * minus_entropy_coef
         inputs = LossInputs(old, adv, w_pg, w_kl, w_ent, ref_logp_given)
-        loss, stats, threshold = route.fused_loss(
-            logits, ref_logits, target, temperature, inputs, hp, formula, estimator_name, entropy_coef != 0.0,
-            backend, with_entropy=compute_entropy, entropy_quantile=quantile)
+        loss, stats, threshold = route.fused_loss(call, inputs, hp, formula, estimator_name, entropy_coef != 0.0,
+                                                  with_entropy=compute_entropy, entropy_quantile=quantile)
         logp, entropy = stats.logp, stats.entropy
         if quantile is not None:
             keep = scored & (entropy >= threshold)
             w_pg = w_pg * keep.to(acc)
     else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
-        wanted = statistics.request(entropy=compute_entropy, ref=ref_logits is not None, full_kl=full)
-        if truncation is not None:
-            stats, outside = _truncated_stats(logits, ref_logits, target, temperature, truncation, layout, full,
-                                              route.backend(backend, logits, ref_logits), shard)
+        wanted = statistics.request(entropy=compute_entropy, ref=with_ref_logits, full_kl=full)
+        if call.truncation is not None:
+            stats, outside = _truncated_stats(call, full)
             scored = scored & ~outside
             agg_w, agg_pg = aggregation_weights(scored)
             w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
         else:
-            stats = route.statistics(logits, ref_logits, target, temperature, wanted,
-                                     route.backend(backend, logits, ref_logits), shard)
+            stats = route.statistics(call, wanted)
         logp = stats.logp
         entropy = stats.entropy if compute_entropy else torch.zeros_like(logp)
         if rollout is not None:
@@ -506,7 +496,7 @@ def policy_loss(
         entropy = torch.zeros_like(logp)
     ent_agg = entropy_aggregation_weights(keep)
     w_ent = ent_agg * minus_entropy_coef
-    ref_logp = stats.ref_logp if ref_logits is not None else (
+    ref_logp = stats.ref_logp if with_ref_logits else (
         ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
     reported_logp = logp
     if outside is not None:  # dropped positions: finite stand-ins (weight 0, no gradient) so no term is NaN

@@ -12,11 +12,10 @@ from typing import Optional
 import torch
 
 from kltriton import route
-from kltriton._inputs import (LOGIT_DTYPES, build_layout, check_float, check_logits, check_temperature, host_checks,
-                              runtime_scalar)
+from kltriton._inputs import check_float, host_checks, runtime_scalar
+from kltriton.front_door import enter
 from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
-from kltriton.linear_logits import is_linear
-from kltriton.topk import TopK, is_topk
+from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TAILS = ("bucket", "renormalize", "none")
@@ -26,31 +25,6 @@ REDUCTIONS = ("none", "batchmean", "sum", "mean")
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_teacher(student, teacher):
-    """A teacher of ``student``'s shape: logits (any logits dtype; float64 only with a float64 student), a
-    ``LinearLogits``, or a ``TopK`` with ids ``[*S, K]``."""
-    if is_topk(teacher):
-        if tuple(teacher.shape[:-1]) != tuple(student.shape[:-1]):
-            raise ValueError(f"teacher TopK ids must have shape {tuple(student.shape[:-1])} + (K,), got "
-                             f"{tuple(teacher.shape)}")
-    elif is_linear(teacher):
-        if teacher.shape != student.shape:
-            raise ValueError(f"teacher must have the student's shape {tuple(student.shape)}, got {tuple(teacher.shape)}")
-    elif isinstance(teacher, torch.Tensor):
-        check_logits(teacher, "teacher")
-        if teacher.shape != student.shape:
-            raise ValueError(f"teacher logits must have the student's shape {tuple(student.shape)}, got "
-                             f"{tuple(teacher.shape)}")
-        if (teacher.dtype == torch.float64) != (student.dtype == torch.float64) or teacher.dtype not in LOGIT_DTYPES:
-            raise TypeError(f"teacher logits must be float32, bfloat16 or float16 (float64 only with a float64 "
-                            f"student), got {teacher.dtype} with a {student.dtype} student")
-    else:
-        raise TypeError(f"teacher must be logits (a tensor), a kltriton.LinearLogits or a kltriton.TopK, got "
-                        f"{type(teacher).__name__}")
-    if teacher.device != student.device:
-        raise ValueError(f"teacher is on {teacher.device} but student is on {student.device}")
 
 
 def _weights(reduction, scored, vocab, dtype):
@@ -193,45 +167,36 @@ def token_divergence(
         zero mass where the student has mass gives ``+inf`` reverse KL (never NaN); ``-inf`` and ``finfo.min`` logits
         are normal input.
     """
-    if not is_linear(student):
-        check_logits(student, "student")
     _check_choice("divergence", divergence, DIVERGENCES)
     _check_choice("tail", tail, TAILS)
     _check_choice("reduction", reduction, REDUCTIONS)
     beta = check_float("beta", beta, at_least=0.0)
     if not torch.compiler.is_compiling() and beta > 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    _check_teacher(student, teacher)
+    call = enter(student, labels, ref=teacher, ref_forms=("logits", "topk"), names=("student", "teacher"),
+                 temperature=temperature, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
+                 shift_labels=shift_labels, backend=backend, process_group=process_group, vocab_start=vocab_start)
     kind = divergence
     if divergence == "jsd" and beta in (0.0, 1.0):  # TRL's beta = 0 / 1: exactly the forward / reverse KL
         kind = "forward_kl" if beta == 0.0 else "reverse_kl"
-    device, shape, vocab = student.device, student.shape[:-1], student.shape[-1]
-    temperature = check_temperature(temperature, device, shape)
-    shard = route.shard(student, process_group, vocab_start)
-    layout = build_layout(student, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, shard=shard)
-    target = layout.target
-    global_vocab = vocab if shard is None else shard.vocab
+    target, shape = call.layout.target, call.layout.shape
     scored = target != SKIP
-    acc = accumulation_dtype(student.dtype)
-    weight = None if reduction == "none" else _weights(reduction, scored, global_vocab, acc)
-    beta_t = runtime_scalar(beta, device)
+    acc = accumulation_dtype(call.dtype)
+    weight = None if reduction == "none" else _weights(reduction, scored, call.vocab, acc)
+    beta_t = runtime_scalar(beta, call.device)
 
-    if is_topk(teacher):
-        ids = _topk_ids(teacher, global_vocab)
-        student_logp, entropy = route.columns(student, ids, target, temperature, return_entropy,
-                                              route.backend(backend, student), shard)
-        value = topk_divergence(student_logp, teacher.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
-                                tail, global_vocab, teacher.min_logprob).to(acc)
+    if call.topk is not None:
+        ids = _topk_ids(call.topk, call.vocab)
+        student_logp, entropy = route.columns(call, ids, return_entropy)
+        value = topk_divergence(student_logp, call.topk.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
+                                tail, call.vocab, call.topk.min_logprob).to(acc)
         value = torch.where(scored, value, torch.zeros_like(value))
         value = torch.where(target == OUT_OF_RANGE, torch.full_like(value, float("nan")), value)
         loss = None if weight is None else (weight * value).sum()
-    elif route.divergence_route(student, teacher, reduction, False, shard) == "fused":
-        loss, value, entropy = route.divergence_loss(student, teacher, target, temperature, kind, beta_t, weight,
-                                                     return_entropy, backend)
+    elif route.divergence_route(call, reduction) == "fused":
+        loss, value, entropy = route.divergence_loss(call, kind, beta_t, weight, return_entropy)
     else:
-        value, entropy = route.divergence(student, teacher, target, temperature, kind, beta_t, return_entropy,
-                                          route.backend(backend, student, teacher), shard)
+        value, entropy = route.divergence(call, kind, beta_t, return_entropy)
         loss = None if weight is None else (weight * value).sum()
     out = value.view(shape) if loss is None else loss
     return (out, entropy.detach().view(shape)) if return_entropy else out

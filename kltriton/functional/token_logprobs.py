@@ -2,10 +2,8 @@
 from typing import Optional
 
 from kltriton import route
-from kltriton._inputs import build_layout, check_logits, check_temperature
+from kltriton.front_door import enter
 from kltriton.kernels import statistics
-from kltriton.linear_logits import is_linear
-from kltriton.truncation import check_truncation
 
 
 def token_logprobs(
@@ -54,19 +52,10 @@ def token_logprobs(
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``), or a ``LinearLogits``'
         hidden states, weight and bias.
     """
-    if not is_linear(logits):
-        check_logits(logits)
-    temperature = check_temperature(temperature, logits.device, logits.shape[:-1])
-    truncation = check_truncation(truncation)
-    shard = route.shard(logits, process_group, vocab_start)
-    layout = build_layout(logits, labels, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                          shift_labels=shift_labels, shard=shard, with_seq_index=truncation is not None)
+    call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
+                 cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
+                 vocab_start=vocab_start, truncation=truncation)
     wanted = statistics.request(entropy=bool(return_entropy))
-    if truncation is not None:
-        stats = route.truncated_statistics(logits, layout.target, temperature, truncation, layout, wanted, backend,
-                                           shard)
-    else:
-        stats = route.statistics(logits, None, layout.target, temperature, wanted, route.backend(backend, logits),
-                                 shard)
-    logp = stats.logp.view(layout.shape)
-    return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp
+    stats = route.statistics(call, wanted)
+    logp = stats.logp.view(call.layout.shape)
+    return (logp, stats.entropy.view(call.layout.shape)) if return_entropy else logp
