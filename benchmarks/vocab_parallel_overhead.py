@@ -32,8 +32,9 @@ def _worker(rank, args, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks)
     import kltriton
     from kltriton.kernels import statistics
-    from kltriton.ops.stream import stream_forward
-    from kltriton.parallel import _all_gather
+    from kltriton.kernels.linear import Side
+    from kltriton.ops.statistics import statistics as statistics_op
+    from kltriton.parallel import all_gather
 
     group = dist.group.WORLD
     size = args.vocab // args.ranks
@@ -53,10 +54,11 @@ def _worker(rank, args, init_file):
     for what, width, with_ref, full in (("token_logprobs", 2, False, False), ("token_kl full", 5, True, True)):
         r = ref if with_ref else None
         wanted = statistics.request(ref=with_ref, full_kl=full)
-        record(f"{what}: stream kernel on the shard", lambda: stream_forward(
-            logits, r, target, temperature, wanted, args.backend))
+        record(f"{what}: stream kernel on the shard", lambda: statistics_op(
+            Side(logits, None, None, None, None), None if r is None else Side(r, None, None, None, None), target,
+            temperature, wanted, 0, args.backend))
         payload = torch.randn(width, args.rows)
-        record(f"{what}: all-gather of {width} x fp32 per row", lambda: _all_gather(payload, group).sum())
+        record(f"{what}: all-gather of {width} x fp32 per row", lambda: all_gather(payload, group).sum())
 
         def forward(x):
             if with_ref:
@@ -73,13 +75,13 @@ def _worker(rank, args, init_file):
         record(f"{what}: unsharded op on the shard, forward + backward", lambda: plain(x).sum().backward())
         record(f"{what}: sharded op forward + backward", lambda: forward(x).sum().backward())
     if args.hidden:  # LinearLogits with this rank's weight rows: the hidden gradient is all-reduced
-        from kltriton.parallel import _all_reduce
+        from kltriton.parallel import all_reduce
         hidden = torch.randn(args.rows, args.hidden, generator=torch.Generator().manual_seed(0))
         weight = torch.randn(size, args.hidden, generator=gen) / args.hidden ** 0.5
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         lin = lambda: kltriton.LinearLogits(h, w)  # noqa: E731
         record(f"LinearLogits H={args.hidden}: all-reduce of the [N, H] hidden gradient",
-               lambda: _all_reduce(hidden, group).sum())
+               lambda: all_reduce(hidden, group).sum())
         record(f"LinearLogits H={args.hidden}: unsharded op on the shard, forward + backward",
                lambda: kltriton.token_logprobs(lin(), target, backend=args.backend).sum().backward())
         record(f"LinearLogits H={args.hidden}: sharded op forward + backward",

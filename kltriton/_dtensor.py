@@ -113,7 +113,6 @@ def local_head(hidden, weight, bias):
     """``(hidden, weight, bias, VocabAxis or None)``: the local tensors of an LM head's inputs, and the vocab axis of
     a tensor-parallel head (a ``Shard(0)`` weight with ``Replicate`` DTensor hidden states on that mesh dimension)."""
     weight_mesh_dim = _check_placements(weight, "LinearLogits weight", 0) if is_dtensor(weight) else None
-    hidden_vocab = None
     if is_dtensor(hidden):
         _check_placements(hidden, "LinearLogits hidden", None)
         if hidden.placements and any(not p.is_replicate() and p.dim % hidden.dim() == hidden.dim() - 1

@@ -8,6 +8,10 @@
 | ``KLTRITON_CPP_AOT`` | ``0``: ignore an ahead-of-time built C++ library |
 | ``KLTRITON_VERBOSE_BUILD`` | ``1``: show the compiler's output of the C++ JIT build |
 | ``KLTRITON_CACHE_DIR`` | where the C++ JIT build is cached (default ``~/.cache/kltriton``) |
+
+Read here too, never set: ``TRITON_INTERPRET`` (``1``: Triton runs CPU tensors through its interpreter),
+``WORLD_SIZE`` (a distributed launch: ``process_group=None`` before ``init_process_group`` is refused) and ``CXX``
+(the C++ compiler of the JIT build, default ``c++``).
 """
 import os
 from typing import Optional
@@ -46,3 +50,29 @@ def check_flags() -> None:
     off, anything else leaves it on, so a typo is caught here rather than silently ignored)."""
     for name in FLAGS:
         env_flag(name, True)
+
+
+def backend_override() -> Optional[str]:
+    """``KLTRITON_BACKEND``, or None when unset or empty (``kltriton.dispatch`` checks the name)."""
+    return os.environ.get("KLTRITON_BACKEND") or None
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cache_dir() -> Optional[str]:
+    """``KLTRITON_CACHE_DIR``, or None."""
+    return os.environ.get("KLTRITON_CACHE_DIR") or None
+
+
+def compiler() -> str:
+    """The C++ compiler of the JIT build: ``CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
+def launched_world_size() -> int:
+    """``WORLD_SIZE`` of a distributed launch (torchrun, accelerate), 1 when unset or not a number."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return int(world) if world.isdigit() else 1

@@ -1,48 +1,35 @@
-"""The route table: how a public op's logits reach a kernel family. The one module that decides it.
+"""The route table: how a public call (a ``front_door.Call``) reaches a kernel pass. The one module that decides it.
 
-Statistics (``token_logprobs``, ``token_kl``, ``fused_kl_reward``, ``policy_loss``'s two-pass route):
+The ops are keyed on sides (``kltriton.ops``): dense logits or an LM head go to the same op, which picks the
+family (``stream`` or ``linear``) from the sides. What the route decides is which pass, and whether it runs on this
+rank's rows (``ops``) or over vocab shards (``parallel``):
 
-| logits (policy or reference)         | vocab-sharded | route                                            |
-|--------------------------------------|---------------|--------------------------------------------------|
-| tensors                              | no            | ``ops.stream.stream_forward`` (family ``stream``)  |
-| tensors                              | yes           | ``parallel.shard_stream``                        |
-| a ``LinearLogits`` on either side    | no            | ``ops.linear.linear_forward`` (family ``linear``)  |
-| a ``LinearLogits`` on either side    | yes           | ``parallel.shard_linear``                        |
+| what (the public function)                          | local (``call.shard`` None)     | vocab-sharded                |
+|-----------------------------------------------------|---------------------------------|------------------------------|
+| statistics (log-probs, entropy, KL; every function) | ``ops.statistics.statistics``   | ``parallel.shard_statistics`` |
+| truncated statistics (``truncation=``, recompute)   | ``ops.truncation.truncated_forward``; an LM head: tiles of rows, each that route (``kernels.truncation.linear``) | ``parallel.shard_truncated`` (the floor: ``sharded_floor``) |
+| truncated statistics (replay)                       | ``kernels.truncation.replay``   | the same, summed over ranks  |
+| the fused policy loss (``policy_loss``)             | ``ops.loss.loss``               | (two-pass)                   |
+| the JSD's second pass (``token_divergence``)        | ``ops.divergence.jsd``          | ``parallel.shard_jsd``       |
+| the fused divergence loss (``token_divergence``)    | ``ops.divergence.divergence_loss`` | (two-pass)                |
+| a top-k teacher's columns (``token_divergence``)    | ``ops.divergence.columns``      | ``parallel.shard_columns``   |
 
-``policy_loss`` (``loss_route``): ``"fused"`` (the ``loss`` family: the gradient written in the forward,
-``ops.loss.loss_forward`` for tensors, ``ops.loss.linear_loss_forward`` for a ``LinearLogits`` policy) unless
-the loss needs whole sequences before any row's derivative (a sequence-level loss type, or on-policy rollout
-importance sampling), the logits are vocab-sharded (the derivative needs the global statistics first), or the
-policy is a tensor with a ``LinearLogits`` reference; then ``"two-pass"``: the statistics route above, the
-formulas in PyTorch, and autograd (the logits are read again in the backward).
+``policy_loss`` (``loss_route``) is ``"fused"`` (its gradient written in the forward) unless one of these holds,
+then ``"two-pass"`` (the statistics, the formulas of ``kernels.loss.terms`` in PyTorch, autograd; the logits are
+read again in the backward):
 
-Truncated statistics (``truncation=``, the policy side; ``truncated_statistics``):
+| rule                                                                  | why                                          |
+|-----------------------------------------------------------------------|----------------------------------------------|
+| the loss type is not in ``terms.FUSED`` (a sequence-level or batch loss) | a row's derivative needs other rows first |
+| the per-row inputs need the whole sequences (sequence-level IS, on-policy rollout IS, the off-policy mask, a masked entropy bonus) | the same |
+| the logits are vocab-sharded                                          | the derivative needs the global statistics   |
+| a truncation                                                          | the kept set is not a fused kernel's         |
+| a dense policy with an LM-head reference                              | the fused kernels read one kind of side      |
 
-| truncation | logits           | vocab-sharded | route                                                          |
-|------------|------------------|---------------|----------------------------------------------------------------|
-| recompute  | tensors          | no            | ``ops.truncation.truncated_forward`` (floor and statistics per row) |
-| recompute  | tensors          | yes           | ``parallel.shard_truncated`` (floor by all-reduced counts / masses) |
-| recompute  | ``LinearLogits`` | either        | ``kernels.truncation.linear``: tiles of rows, each the tensor route |
-| replay     | tensors          | either        | ``kernels.truncation.replay``: a K-column gather (summed over ranks) |
-| replay     | ``LinearLogits`` | either        | ``kernels.truncation.replay``: only the K columns projected      |
+``token_divergence`` (``divergence_route``) is ``"fused"`` with a reduction, a dense teacher (logits or an LM
+head), no vocab sharding and not a dense student with an LM-head teacher; else ``"two-pass"``.
 
-A ``policy_loss`` with a truncation is two-pass.
-
-``token_divergence`` (distillation), by teacher:
-
-| teacher                              | divergence        | route                                                      |
-|--------------------------------------|-------------------|------------------------------------------------------------|
-| logits / ``LinearLogits``            | forward / reverse | the statistics route (``forward_kl`` / ``full_kl``)        |
-| logits / ``LinearLogits``            | JSD               | the statistics route for both ``lse``, then the JSD pass:  |
-|                                      |                   | ``ops.divergence.(linear_)jsd_forward`` / ``parallel.shard_jsd`` |
-| ``TopK``                             | any               | the student's ``lse`` (statistics route), then its ``K`` columns: |
-|                                      |                   | ``ops.divergence.(linear_)column_logprobs`` / ``parallel.shard_columns`` |
-
-With a reduction (``divergence_route``), a dense teacher and no vocab sharding, the loss is ``"fused"``:
-``ops.divergence.(linear_)divergence_loss`` writes its gradient in the forward (the policy-loss rule: not for a
-tensor student with a ``LinearLogits`` teacher); otherwise ``"two-pass"``: the routes above and autograd.
-
-``parallel`` (vocab-parallel) is imported here only.
+``parallel`` (vocab-parallel) is imported here and by the front door only.
 """
 from typing import Optional
 
@@ -51,23 +38,22 @@ import torch
 from kltriton import dispatch, parallel
 from kltriton.front_door import Call
 from kltriton.kernels import OUT_OF_RANGE
-from kltriton.kernels import statistics as stats_table
+from kltriton.kernels import statistics as table
 from kltriton.kernels.divergence import KINDS, composed
-from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import terms
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.truncation import linear as truncation_linear
 from kltriton.kernels.truncation import replay
 from kltriton.ops import divergence as divergence_ops
-from kltriton.ops import linear, loss, stream
+from kltriton.ops import loss as loss_ops
+from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
-
-NO_SIDE = Side(None, None, None, None, None)
+from kltriton.ops._define import Want
 
 
 def family(call: Call) -> str:
     """The kernel family of the call's statistics: ``linear`` when a side is an LM head, else ``stream``."""
-    return "linear" if call.projected else "stream"
+    return statistics_ops.family(call.policy, call.ref)
 
 
 def backend(call: Call, family_name: Optional[str] = None) -> str:
@@ -75,9 +61,9 @@ def backend(call: Call, family_name: Optional[str] = None) -> str:
     return dispatch.resolve(call.backend, family_name or family(call), call.device.type, call.dtype == torch.float64)
 
 
-def _with_grad(side: Side):
-    """Which of the side's hidden states (or logits), weight and bias autograd wants a gradient for."""
-    return [torch.is_grad_enabled() and t is not None and t.requires_grad for t in side[:3]]
+def _want(call: Call) -> Want:
+    """Which of the policy's hidden states (or logits), weight and bias get a gradient in a forward that writes it."""
+    return Want(*(torch.is_grad_enabled() and t is not None and t.requires_grad for t in call.policy[:3]))
 
 
 def statistics(call: Call, wanted: int) -> StreamStats:
@@ -86,18 +72,10 @@ def statistics(call: Call, wanted: int) -> StreamStats:
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
     if call.truncation is not None:
         return truncated_statistics(call._replace(ref=None), wanted)
-    name, target, temperature, shard = backend(call), call.layout.target, call.temperature, call.shard
-    if call.projected:
-        ref = call.ref if call.ref is not None else NO_SIDE
-        if shard is not None:
-            return parallel.shard_linear(call.policy, ref, target, temperature, wanted, call.tile_elements, name,
-                                         shard)
-        return StreamStats(*linear.linear_forward(*call.policy, *ref, target, temperature, wanted, call.tile_elements,
-                                                  name))
-    logits, ref_logits = call.policy.x, None if call.ref is None else call.ref.x
-    if shard is not None:
-        return parallel.shard_stream(logits, ref_logits, target, temperature, wanted, name, shard)
-    return StreamStats(*stream.stream_forward(logits, ref_logits, target, temperature, wanted, name))
+    args = (call.policy, call.ref, call.layout.target, call.temperature, wanted, call.tile_elements, backend(call))
+    if call.shard is not None:
+        return parallel.shard_statistics(*args, call.shard)
+    return StreamStats(*statistics_ops.statistics(*args))
 
 
 def reference_statistics(call: Call, wanted: int) -> StreamStats:
@@ -107,8 +85,8 @@ def reference_statistics(call: Call, wanted: int) -> StreamStats:
 
 
 def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
-    """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (see the module docstring). ``whole_sequences``: the
-    loss's per-row inputs need the whole sequences' new log-probs (on-policy rollout importance sampling)."""
+    """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (the module docstring's rules). ``whole_sequences``: the
+    loss's per-row inputs need the whole sequences' new log-probs."""
     fused = (loss_type in terms.FUSED and not whole_sequences and call.shard is None and call.truncation is None
              and (call.policy.weight is not None or call.ref is None or call.ref.weight is None))
     return "fused" if fused else "two-pass"
@@ -116,24 +94,14 @@ def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
 
 def fused_loss(call: Call, inputs, hp, loss_type, estimator: str, entropy_grad: bool, with_entropy: bool = True,
                entropy_quantile: Optional[float] = None):
-    """``(loss, StreamStats, threshold)`` of the ``loss`` family, the gradient written in the forward: tensors
-    through ``ops.loss.loss_forward``, a ``LinearLogits`` policy through ``ops.loss.linear_loss_forward`` (only
-    what requires grad gets a gradient). ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile,
-    else NaN)."""
-    target, temperature = call.layout.target, call.temperature
+    """``(loss, StreamStats, threshold)`` of the ``loss`` family, the gradient written in the forward (only what
+    requires grad gets one). ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile, else NaN)."""
     quantile = None if entropy_quantile is None else torch.ones((), dtype=torch.float64,
-                                                                device=target.device) * entropy_quantile
-    if call.policy.weight is not None:
-        ref = call.ref if call.ref is not None else NO_SIDE
-        out = loss.linear_loss_forward(*call.policy, *ref, target, temperature, *inputs, hp, loss_type, estimator,
-                                       entropy_grad, *_with_grad(call.policy), call.tile_elements, with_entropy,
-                                       quantile, backend(call))
-        return out[0], StreamStats(*out[1:-4]), out[-4]
-    logits = call.policy.x
-    out = loss.loss_forward(logits, None if call.ref is None else call.ref.x, target, temperature, *inputs, hp,
-                            loss_type, estimator, entropy_grad, _with_grad(call.policy)[0], with_entropy, quantile,
-                            backend(call, "loss"))
-    return out[0], StreamStats(*out[1:-2]), out[-2]
+                                                                device=call.device) * entropy_quantile
+    name = backend(call, "loss" if call.policy.weight is None else "linear")
+    out = loss_ops.loss(call.policy, call.ref, call.layout.target, call.temperature, inputs, hp, loss_type, estimator,
+                        entropy_grad, _want(call), with_entropy, quantile, call.tile_elements, name)
+    return out[0], StreamStats(*out[1:1 + len(table.NAMES)]), out[1 + len(table.NAMES)]
 
 
 def truncated_statistics(call: Call, wanted: int) -> StreamStats:
@@ -189,7 +157,7 @@ def truncated_statistics(call: Call, wanted: int) -> StreamStats:
 # --- distillation -----------------------------------------------------------------------------------------------
 
 def divergence_route(call: Call, reduction: str) -> str:
-    """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (see the module docstring)."""
+    """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (the module docstring's rule)."""
     fused = (reduction != "none" and call.topk is None and call.shard is None
              and (call.policy.weight is not None or call.ref.weight is None))
     return "fused" if fused else "two-pass"
@@ -203,54 +171,37 @@ def divergence(call: Call, kind: str, beta, entropy: bool):
     if stat is not None:
         return getattr(stats, stat), stats.entropy
     lse, ref_lse = stats.lse.detach(), stats.ref_lse.detach()
-    target, temperature, shard, name = call.layout.target, call.temperature, call.shard, backend(call)
+    target, temperature, shard = call.layout.target, call.temperature, call.shard
+    args = (call.policy, call.ref)
     if shard is not None:  # a label that no shard holds: NaN, as the statistics give it
         target = torch.where((target >= 0) & torch.isnan(stats.logp.detach()), OUT_OF_RANGE, target)
-    if call.projected:
-        if shard is not None:
-            jsd, _ = parallel.shard_jsd(call.policy, call.ref, target, temperature, lse, ref_lse, beta,
-                                        call.tile_elements, name, shard)
-        else:
-            jsd, _ = divergence_ops.linear_jsd_forward(*call.policy, *call.ref, target, temperature, lse, ref_lse,
-                                                       beta, call.tile_elements, name)
-    elif shard is not None:
-        jsd, _ = parallel.shard_jsd(call.policy.x, call.ref.x, target, temperature, lse, ref_lse, beta, None, name,
-                                    shard)
+        jsd, _ = parallel.shard_jsd(*args, target, temperature, lse, ref_lse, beta, call.tile_elements,
+                                    backend(call), shard)
     else:
-        jsd, _ = divergence_ops.jsd_forward(call.policy.x, call.ref.x, target, temperature, lse, ref_lse, beta, name)
+        name = backend(call, "divergence" if family(call) == "stream" else "linear")
+        jsd, _ = divergence_ops.jsd(*args, target, temperature, lse, ref_lse, beta, call.tile_elements, name)
     return jsd, stats.entropy
 
 
 def divergence_loss(call: Call, kind: str, beta, weight, entropy: bool):
     """``(loss, divergence [N], entropy)`` of the ``"fused"`` route: ``sum weight * divergence`` with the student's
     gradient written in the forward (only what requires grad gets one)."""
-    target, temperature = call.layout.target, call.temperature
-    if call.policy.weight is not None:
-        out = divergence_ops.linear_divergence_loss(*call.policy, *call.ref, target, temperature, weight, kind, beta,
-                                                    entropy, *_with_grad(call.policy), call.tile_elements,
-                                                    backend(call))
-        return out[:3]
-    out = divergence_ops.divergence_loss(call.policy.x, call.ref.x, target, temperature, weight, kind, beta, entropy,
-                                         _with_grad(call.policy)[0], backend(call, "divergence"))
+    name = backend(call, "divergence" if call.policy.weight is None else "linear")
+    out = divergence_ops.divergence_loss(call.policy, call.ref, call.layout.target, call.temperature, weight, kind,
+                                         beta, entropy, _want(call), call.tile_elements, name)
     return out[:3]
 
 
 def columns(call: Call, ids, entropy: bool):
     """``(column log-probs [N, K], entropy)``: ``log softmax(student / T)`` at ``ids [N, K]`` (global ids, ``-1``
-    padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student, from its ``lse`` and its logits at
-    the ids; ``entropy`` the student's (``[0]`` unless asked for). An LM head: one pass over the GEMM tiles
-    gathers the columns (vocab-sharded: the statistics route, then a ``K``-column gather of the LM head rows);
-    logits: the statistics route, then a ``K``-column gather."""
-    target, temperature, shard, name = call.layout.target, call.temperature, call.shard, backend(call)
-    side = call.policy
-    if side.weight is not None and shard is None:
-        logp, _, student_entropy = divergence_ops.linear_column_logprobs(*side, ids, target, temperature, entropy,
-                                                                         call.tile_elements, name)
+    padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student; ``entropy`` the student's (``[0]``
+    unless asked for). Local: one op (an LM head's statistics and columns from the same tiles); vocab-sharded: the
+    statistics route for the global ``lse``, then the columns each shard holds, summed."""
+    target, temperature, shard = call.layout.target, call.temperature, call.shard
+    if shard is None:
+        logp, _, student_entropy = divergence_ops.columns(call.policy, ids, target, temperature, None, entropy,
+                                                          call.tile_elements, backend(call))
         return logp, student_entropy
-    stats = statistics(call, stats_table.request(entropy=entropy))
-    lse = stats.lse.detach()
-    if shard is not None:
-        return parallel.shard_columns(side, ids, target, temperature, lse, call.tile_elements, name, shard), \
-            stats.entropy
-    return divergence_ops.column_logprobs(side.x, ids, target, temperature, lse, call.tile_elements, name), \
-        stats.entropy
+    stats = statistics(call, table.request(entropy=entropy))
+    return parallel.shard_columns(call.policy, ids, target, temperature, stats.lse.detach(), call.tile_elements,
+                                  backend(call), shard), stats.entropy

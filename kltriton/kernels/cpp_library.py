@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import mmap
-import os
 import re
 import shutil
 import sys
@@ -38,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from kltriton._env import check_flags, env_flag
+from kltriton._env import cache_dir, check_flags, env_flag
+from kltriton._env import compiler as cxx
 from kltriton.kernels.constants import (CPP_HEADERS, CPP_LINK_FLAGS, CPP_SOURCES, CPU_CAPABILITIES,
                                         cpp_compile_flags)
 
@@ -87,7 +87,7 @@ def source_dir() -> Path | None:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("KLTRITON_CACHE_DIR")
+    env = cache_dir()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kltriton"
 
 
@@ -179,7 +179,7 @@ def _jit_build(src: Path) -> str:
     name = "kltriton_cpp_" + key.rsplit("-", 1)[1][:12]
     so = build_dir / f"{name}.so"
     ok = build_dir / _OK_MARKER
-    compiler = os.environ.get("CXX", "c++")
+    compiler = cxx()
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -287,7 +287,7 @@ def availability(build: bool = True) -> tuple[bool, str]:
             return False, "the C++ sources (csrc/) are not installed"
         if (cache_root() / build_key(src) / _OK_MARKER).is_file():
             return True, "cached JIT build (not loaded yet)"
-        compiler = os.environ.get("CXX", "c++")
+        compiler = cxx()
         if shutil.which(compiler) is None:
             return False, f"no C++ compiler: {compiler!r} not found (set CXX to a C++17 compiler)"
         from torch.utils import cpp_extension

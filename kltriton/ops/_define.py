@@ -1,51 +1,152 @@
-"""One helper that turns a typed kernel function into a ``torch.library`` custom op with autograd.
+"""Custom ops from declared arguments: one ``torch.library`` op per kernel pass, keyed on sides.
 
-``torch.library.custom_op`` needs the schema (from the function's annotations), a fake kernel for
-tracing, and for autograd a ``setup_context`` that saves state plus a backward that unpacks it by
-position. ``define_op`` does the bookkeeping once: the saved state is named once (``save``), and
-the backward reads it by name and returns gradients by input name.
+An op declares its arguments once, as ``(name, kind)`` pairs. A kind is a schema type (``TENSOR``, ``OPTIONAL``,
+``INT``, ``BOOL``, ``STR``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
+value: ``SIDE`` (a ``kltriton.kernels.linear.Side``: dense logits, or an LM head's hidden states, weight, bias,
+scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``WANT``
+(which of a side's hidden states or logits, weight and bias get a gradient), ``LOSS_INPUTS``. The schema lists a
+group's fields (``policy_x``, ``policy_weight``, ...), derived from the group's type, so no launcher, fake or
+caller lists them, and a new basis term changes no op.
+
+The saved state of the backward is named once (``save``, input or output names); the backward reads it by name
+and returns gradients by input name (a ``SIDE`` input's gradient: ``(d_x, d_weight, d_bias)``).
 """
-import inspect
 from types import SimpleNamespace
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from kltriton.kernels.constants import GRADIENT_BASIS
+from kltriton.kernels.linear import Side
+from kltriton.kernels.loss import LossInputs
+from kltriton.kernels.statistics import Basis
 
-def define_op(name, fn, *, outputs, fake, save=(), backward=None, materialize_grads=True):
-    """Register ``fn`` as ``kltriton::<name>`` and return the op.
+TENSOR, OPTIONAL, INT, BOOL, STR = "Tensor", "Tensor?", "int", "bool", "str"
+
+
+class Want(NamedTuple):
+    """Which of a side's tensors get a gradient."""
+    x: bool
+    weight: bool
+    bias: bool
+
+
+class Group(NamedTuple):
+    """An argument made of several schema arguments: ``kind`` builds the value from its fields, ``types`` are their
+    schema types; with ``optional``, a value whose fields are all None is None."""
+    kind: type
+    types: tuple
+    optional: bool = False
+
+
+SIDE = Group(Side, (OPTIONAL,) * len(Side._fields), optional=True)
+BASIS = Group(Basis, tuple(TENSOR if term in ("label", "p") else OPTIONAL for term in GRADIENT_BASIS))
+WANT = Group(Want, (BOOL,) * 3)
+LOSS_INPUTS = Group(LossInputs, (OPTIONAL, TENSOR, TENSOR, TENSOR, TENSOR, OPTIONAL))
+assert Basis._fields == GRADIENT_BASIS
+
+
+def _width(kind) -> int:
+    return len(kind.types) if isinstance(kind, Group) else 1
+
+
+def _group(kind: Group, fields):
+    if kind.optional and all(f is None for f in fields):
+        return None
+    return kind.kind(*fields)
+
+
+def _fields(kind: Group, value):
+    return (None,) * len(kind.types) if value is None else tuple(value)
+
+
+class Op:
+    """A custom op with grouped arguments: call it with one value per declared argument; ``custom_op`` is the
+    ``torch.library`` op and ``flatten`` gives its schema arguments (for ``torch.library.opcheck``)."""
+
+    def __init__(self, name, inputs, outputs, launch, fake):
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        names = [arg for arg, _ in self.inputs] + list(self.outputs)
+        assert len(set(names)) == len(names), f"kltriton::{name}: an input and an output share a name"
+        self.spans, start = {}, 0
+        for arg, kind in list(self.inputs) + [(out, TENSOR) for out in self.outputs]:
+            self.spans[arg] = (start, start + _width(kind))
+            start += _width(kind)
+        params = []
+        for arg, kind in self.inputs:
+            if isinstance(kind, Group):
+                params += [f"{t} {arg}_{field}" for t, field in zip(kind.types, kind.kind._fields)]
+            else:
+                params.append(f"{kind} {arg}")
+        returns = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(self.outputs)) + ")"
+        schema = f"({', '.join(params)}) -> {returns}"
+        self.custom_op = torch.library.custom_op(f"kltriton::{name}", lambda *flat: launch(self.grouped(flat)),
+                                                 mutates_args=(), schema=schema)
+        self.custom_op.register_fake(lambda *flat: fake(self.grouped(flat)))
+
+    def grouped(self, flat) -> SimpleNamespace:
+        """The arguments (and outputs, when ``flat`` holds them after the inputs) by name, groups built."""
+        values = {}
+        for arg, kind in list(self.inputs) + [(out, TENSOR) for out in self.outputs]:
+            start, stop = self.spans[arg]
+            if start < len(flat):
+                values[arg] = _group(kind, flat[start:stop]) if isinstance(kind, Group) else flat[start]
+        return SimpleNamespace(**values)
+
+    def flatten(self, *args) -> tuple:
+        flat = []
+        for (arg, kind), value in zip(self.inputs, args, strict=True):
+            flat += _fields(kind, value) if isinstance(kind, Group) else [value]
+        return tuple(flat)
+
+    def __call__(self, *args):
+        return self.custom_op(*self.flatten(*args))
+
+
+def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optional[Callable] = None,
+              materialize_grads=True) -> Op:
+    """Register ``kltriton::<name>`` and return it as an ``Op``.
 
     Args:
-        fn: the kernel launcher; its annotations give the schema. Returns a tuple of tensors
-            named by ``outputs`` (or one tensor when ``outputs`` has one name).
-        fake: same arguments as ``fn``, returns empty tensors of the outputs' shapes and dtypes.
-        save: names of ``fn``'s parameters and of ``outputs`` that ``backward`` reads.
-        backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save``
-            names as attributes (and ``needs_grad``: input name -> whether autograd wants its
-            gradient), ``grads`` maps output names to their gradient (``None`` when that
-            output was not used). Omit it for an op that is not differentiable.
-        materialize_grads: False passes ``None`` (not zeros) for unused outputs' gradients to
-            ``backward``: an op with a large output that is never differentiated then allocates
-            and fills nothing for it.
+        inputs: ``(name, kind)`` pairs in schema order.
+        outputs: the names of the returned tensors (one tensor when there is one name).
+        launch: ``launch(args) -> outputs`` (a tuple, or the tensor), ``args`` the inputs by name.
+        fake: the same, returning empty tensors of the outputs' shapes and dtypes (for tracing).
+        save: names of inputs and outputs that ``backward`` reads.
+        backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save`` names as
+            attributes and ``needs_grad`` (input name -> bool, a group's: a tuple of bools), ``grads`` maps output
+            names to their gradient (None when unused, with ``materialize_grads=False``). Omit it for an op that is
+            not differentiable.
     """
-    op = torch.library.custom_op(f"kltriton::{name}", fn, mutates_args=())
-    op.register_fake(fake)
+    op = Op(name, inputs, outputs, launch, fake)
     if backward is None:
         return op
-    params = list(inspect.signature(fn).parameters)
+    kept = sorted({i for arg in save for i in range(*op.spans[arg])})
+    n_inputs = op.spans[op.inputs[-1][0]][1]
 
     def setup_context(ctx, inputs, output):
-        output = output if isinstance(output, (tuple, list)) else (output,)
-        values = dict(zip(params, inputs), **dict(zip(outputs, output)))
-        ctx.tensor_names = [k for k in save if isinstance(values[k], torch.Tensor)]
-        ctx.save_for_backward(*(values[k] for k in ctx.tensor_names))
-        ctx.plain = {k: values[k] for k in save if k not in ctx.tensor_names}
+        flat = list(inputs) + list(output if isinstance(output, (tuple, list)) else (output,))
+        ctx.tensor_slots = [i for i in kept if isinstance(flat[i], torch.Tensor)]
+        ctx.save_for_backward(*(flat[i] for i in ctx.tensor_slots))
+        ctx.plain = {i: flat[i] for i in kept if i not in ctx.tensor_slots}
         ctx.set_materialize_grads(materialize_grads)
 
     def autograd_backward(ctx, *grads):
-        saved = SimpleNamespace(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.plain,
-                                needs_grad=dict(zip(params, ctx.needs_input_grad)))
-        result = backward(saved, dict(zip(outputs, grads)))
-        return tuple(result.get(p) for p in params)
+        flat = [None] * (n_inputs + len(op.outputs))
+        for i, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+            flat[i] = tensor
+        for i, value in ctx.plain.items():
+            flat[i] = value
+        saved = op.grouped(flat)
+        needs = list(ctx.needs_input_grad)
+        saved.needs_grad = {arg: tuple(needs[slice(*op.spans[arg])]) if isinstance(kind, Group)
+                            else needs[op.spans[arg][0]] for arg, kind in op.inputs}
+        out = [None] * n_inputs
+        for arg, grad in backward(saved, dict(zip(op.outputs, grads))).items():
+            start, _ = op.spans[arg]
+            for i, g in enumerate(grad if isinstance(grad, tuple) else (grad,)):
+                out[start + i] = g
+        return tuple(out)
 
-    op.register_autograd(autograd_backward, setup_context=setup_context)
+    op.custom_op.register_autograd(autograd_backward, setup_context=setup_context)
     return op

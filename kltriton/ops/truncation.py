@@ -1,56 +1,38 @@
 """The ``truncation`` family as custom ops: ``kltriton::truncated_forward`` (each row's kept set, found from the
 knobs or given as a floor, and the statistics of the row restricted to it; differentiable) and
-``kltriton::truncated_backward``. Kernel: ``kltriton.dispatch.implementation("truncation", backend)``."""
-from typing import Optional, Tuple
-
+``kltriton::truncated_backward``. Kernel: ``kltriton.dispatch.implementation("truncation", backend)``. Dense logits
+only: an LM head's rows go through it one tile of rows at a time (``kltriton.kernels.truncation.linear``)."""
 import torch
 
 from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype, statistics
-from kltriton.kernels.statistics import Basis
-from kltriton.ops._define import define_op
+from kltriton.ops._define import BASIS, INT, OPTIONAL, STR, TENSOR, define_op
+
+_ROWS = (("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR))
 
 
-def _forward(
-    logits: torch.Tensor,           # [..., V]
-    target: torch.Tensor,           # [N] int64
-    temperature: torch.Tensor,      # float64 [] or [N]
-    top_k: torch.Tensor,            # [N] int64, 0: off
-    top_p: torch.Tensor,            # [N] float64, 1: off
-    min_p: torch.Tensor,            # [N] float64, 0: off
-    floor: Optional[torch.Tensor],  # [N] float32 (keep x >= floor), or None: found from the knobs
-    wanted: int,                    # 0 or ENTROPY
-    backend: str,
-) -> Tuple[(torch.Tensor,) * (1 + len(statistics.NAMES))]:
-    given = floor
-    floor, stats = dispatch.implementation("truncation", backend).forward(logits, target, temperature, top_k, top_p,
-                                                                          min_p, floor, wanted)
-    return (floor.clone() if floor is given else floor, *stats)  # an output may not alias an input
+def _forward(args):
+    floor, stats = dispatch.implementation("truncation", args.backend).forward(
+        args.logits, args.target, args.temperature, args.top_k, args.top_p, args.min_p, args.floor, args.wanted)
+    return (floor.clone() if floor is args.floor else floor, *stats)  # an output may not alias an input
 
 
-def _forward_fake(logits, target, temperature, top_k, top_p, min_p, floor, wanted, backend):
-    acc = accumulation_dtype(logits.dtype)
-    stats = statistics.empty_stats(target.shape[0], wanted, lambda size: logits.new_empty(size, dtype=acc))
-    return (logits.new_empty(target.shape, dtype=torch.float32), *stats)
+def _forward_fake(args):
+    acc = accumulation_dtype(args.logits.dtype)
+    stats = statistics.empty_stats(args.target.shape[0], args.wanted,
+                                   lambda size: args.logits.new_empty(size, dtype=acc))
+    return (args.logits.new_empty(args.target.shape, dtype=torch.float32), *stats)
 
 
-def _backward_kernel(
-    logits: torch.Tensor,       # [..., V]
-    target: torch.Tensor,       # [N] int64
-    temperature: torch.Tensor,  # float64 [] or [N]
-    floor: torch.Tensor,        # [N] float32
-    lse: torch.Tensor,          # [N] log-sum-exp over the kept set
-    c_label: torch.Tensor,      # [N] gradient basis, / T
-    c_p: torch.Tensor,
-    c_p_logp: Optional[torch.Tensor],
-    backend: str,
-) -> torch.Tensor:
-    return dispatch.implementation("truncation", backend).backward(logits, target, temperature, floor, lse,
-                                                                   Basis(c_label, c_p, c_p_logp, None))
+def _backward_kernel(args):
+    return dispatch.implementation("truncation", args.backend).backward(
+        args.logits, args.target, args.temperature, args.floor, args.lse, args.basis)
 
 
-truncated_backward = define_op("truncated_backward", _backward_kernel, outputs=("grad",),
-                               fake=lambda logits, *rest: logits.new_empty(logits.shape))
+truncated_backward = define_op(
+    "truncated_backward",
+    inputs=(*_ROWS, ("floor", TENSOR), ("lse", TENSOR), ("basis", BASIS), ("backend", STR)),
+    outputs=("grad",), launch=_backward_kernel, fake=lambda args: args.logits.new_empty(args.logits.shape))
 
 
 def outside_free(grads: dict, logp: torch.Tensor) -> dict:
@@ -62,15 +44,26 @@ def outside_free(grads: dict, logp: torch.Tensor) -> dict:
     return dict(grads, logp=torch.where(logp == float("-inf"), torch.zeros_like(g), g))
 
 
+def gradient(logits, target, temperature, floor, stats, grads, backend, label_here=None):
+    """The logits gradient of upstream ``grads`` (statistic name -> ``[N]``) on the truncated statistics ``stats``
+    of the rows kept above ``floor``; ``label_here`` as in ``ops.statistics.gradients``."""
+    basis = statistics.gradient_basis(outside_free(grads, stats.logp), stats, temperature)
+    if label_here is not None:
+        basis = basis._replace(label=torch.where(label_here, basis.label, 0))
+    return truncated_backward(logits, target, temperature, floor, stats.lse, basis, backend)
+
+
 def _backward(saved, grads):
     stats = statistics.StreamStats(*(getattr(saved, name) for name in statistics.NAMES))
-    basis = statistics.gradient_basis(outside_free(grads, stats.logp), stats, saved.temperature)
-    return {"logits": truncated_backward(saved.logits, saved.target, saved.temperature, saved.kept_floor, stats.lse,
-                                         basis.label, basis.p, basis.p_logp, saved.backend)}
+    return {"logits": gradient(saved.logits, saved.target, saved.temperature, saved.kept_floor, stats, grads,
+                               saved.backend)}
 
 
 _forward_op = define_op(
-    "truncated_forward", _forward, outputs=("kept_floor", *statistics.NAMES), fake=_forward_fake,
+    "truncated_forward",
+    inputs=(*_ROWS, ("top_k", TENSOR), ("top_p", TENSOR), ("min_p", TENSOR), ("floor", OPTIONAL), ("wanted", INT),
+            ("backend", STR)),
+    outputs=("kept_floor", *statistics.NAMES), launch=_forward, fake=_forward_fake,
     save=("logits", "target", "temperature", "kept_floor", "backend", *statistics.NAMES), backward=_backward,
     materialize_grads=False)
 

@@ -16,7 +16,9 @@ from kltriton import LinearLogits, dispatch
 from kltriton.kernels import SKIP
 from kltriton.kernels.linear import tiles
 from kltriton.kernels import statistics
-from kltriton.ops.linear import linear_backward, linear_forward
+from kltriton.kernels.linear import Side
+from kltriton.ops._define import Want
+from kltriton.ops.statistics import statistics as statistics_op, statistics_backward
 from helpers import EPS32, STORE_RTOL, assert_close, grad_tols, random_labels, value_atol
 
 H, V = 37, 101  # odd hidden size and vocab (not a multiple of any block)
@@ -218,8 +220,8 @@ def test_per_position_temperature_kernel():
     target[3] = SKIP
     t = torch.rand(11, dtype=torch.float64) + 0.5
     for tile in (1 << 20, SMALL_TILE):
-        stats = linear_forward(h, w, b, None, None, None, None, None, None, None, target, t,
-                               statistics.request(entropy=True), tile, "cpp")
+        stats = statistics_op(Side(h, w, b, None, None), None, target, t, statistics.request(entropy=True), tile,
+                              "cpp")
         z = oracle_logits(h, w, b)
         labels = target.masked_fill(target < 0, -100)
         want_logp, want_ent, _, _ = oracle(z, labels, t[:, None])
@@ -234,19 +236,19 @@ def op_samples(backend):
     rh, rw = rh.detach(), rw.detach()
     target = torch.randint(0, V, (6,))
     target[1] = SKIP
-    none5 = (None,) * 5
-    for ref, ent, kl, tile in ((none5, False, False, 1 << 20), (none5, True, False, SMALL_TILE),
-                               ((rh, rw, None, None, scalar(2.0)), True, True, SMALL_TILE),
-                               ((rh, rw, None, None, None), False, False, 1 << 20)):
-        wanted = statistics.request(entropy=ent, ref=ref[0] is not None, full_kl=kl)
-        yield linear_forward, (h, w, b, scalar(0.5), None, *ref, target, scalar(0.9), wanted, tile, backend)
-    stats = linear_forward(h.detach(), w.detach(), b.detach(), None, scalar(3.0), rh, rw, None, None, None,
-                           target, scalar(1.0), statistics.request(entropy=True, ref=True, full_kl=True), 1 << 20,
-                           backend)
+    for ref, ent, kl, tile in ((None, False, False, 1 << 20), (None, True, False, SMALL_TILE),
+                               (Side(rh, rw, None, None, scalar(2.0)), True, True, SMALL_TILE),
+                               (Side(rh, rw, None, None, None), False, False, 1 << 20)):
+        wanted = statistics.request(entropy=ent, ref=ref is not None, full_kl=kl)
+        yield statistics_op, (Side(h, w, b, scalar(0.5), None), ref, target, scalar(0.9), wanted, tile, backend)
+    policy = Side(h.detach(), w.detach(), b.detach(), None, scalar(3.0))
+    ref = Side(rh, rw, None, None, None)
+    stats = statistics_op(policy, ref, target, scalar(1.0), statistics.request(entropy=True, ref=True, full_kl=True),
+                          1 << 20, backend)
     basis = statistics.gradient_basis({"logp": torch.randn(6), "entropy": torch.randn(6), "full_kl": torch.randn(6)},
                                       statistics.StreamStats(*stats), torch.tensor(1.0, dtype=torch.float64))
-    yield linear_backward, (h.detach(), w.detach(), b.detach(), None, scalar(3.0), rh, rw, None, None, None,
-                            target, scalar(1.0), stats[1], stats[4], *basis, True, True, True, SMALL_TILE, backend)
+    yield statistics_backward, (policy, ref, target, scalar(1.0), stats[1], stats[4], basis, Want(True, True, True),
+                                SMALL_TILE, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", pytest.param("triton", marks=pytest.mark.slow)])
@@ -255,7 +257,7 @@ def test_opcheck(backend_name):
     if not usable:
         pytest.skip(why)
     for op, args in op_samples(backend_name):
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op.custom_op, op.flatten(*args))
 
 
 def test_compile_fullgraph_matches_eager():

@@ -9,7 +9,10 @@ import torch
 import kltriton
 from helpers import MIXED_GRAD_RTOL, assert_close, random_logits
 from kltriton.kernels.loss import terms
-from kltriton.ops.loss import linear_loss_forward, loss_forward, loss_scale_
+from kltriton.kernels.linear import Side
+from kltriton.kernels.loss import LossInputs
+from kltriton.ops._define import Want
+from kltriton.ops.loss import loss, loss_scale_
 
 B, T, V = 3, 7, 67
 
@@ -360,9 +363,10 @@ def fused_args(backend, with_grad=True, quantile=None):
     w = torch.rand(n)
     hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0)
     q = None if quantile is None else torch.tensor(quantile, dtype=torch.float64)
-    return (d.logits.clone().requires_grad_(), d.ref, target, torch.tensor(1.0, dtype=torch.float64),
-            d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, (-0.01 if q is None else 0.0) * w, None, hp, "ppo",
-            "k3", q is None, with_grad, True, q, backend)
+    inputs = LossInputs(d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, (-0.01 if q is None else 0.0) * w, None)
+    return loss.flatten(Side(d.logits.clone().requires_grad_(), None, None, None, None),
+                        Side(d.ref, None, None, None, None), target, torch.tensor(1.0, dtype=torch.float64), inputs, hp,
+                        "ppo", "k3", q is None, Want(with_grad, False, False), True, q, 0, backend)
 
 
 @pytest.mark.parametrize("quantile", [None, 0.6])
@@ -375,7 +379,7 @@ def test_opcheck(backend_name, quantile):
     # `grad` in place (no copy), which that test sees as an output that differs from the compiled
     # one. Under torch.compile the backward scales out of place; test_compile_fullgraph_matches_eager
     # checks its values and gradients.
-    torch.library.opcheck(loss_forward, fused_args(backend_name, quantile=quantile),
+    torch.library.opcheck(loss.custom_op, fused_args(backend_name, quantile=quantile),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     torch.library.opcheck(loss_scale_, (torch.randn(5, 7), torch.tensor(0.5), backend_name))
 
@@ -513,9 +517,10 @@ def linear_fused_args(backend):
     w = torch.rand(target.numel())
     hp = terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28, dual_clip=3.0)
     scalar = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    return (d.hidden.clone().requires_grad_(), d.weight.clone().requires_grad_(), d.bias, scalar(0.5), scalar(20.0),
-            d.hidden, d.ref_weight, None, None, None, target, scalar(1.0), d.old.reshape(-1), d.adv.reshape(-1), w,
-            0.1 * w, -0.01 * w, None, hp, "ppo", "full", True, True, True, False, 40 * 151, True, None, backend)
+    inputs = LossInputs(d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, -0.01 * w, None)
+    return (Side(d.hidden.clone().requires_grad_(), d.weight.clone().requires_grad_(), d.bias, scalar(0.5),
+                 scalar(20.0)), Side(d.hidden, d.ref_weight, None, None, None), target, scalar(1.0), inputs, hp,
+            "ppo", "full", True, Want(True, True, False), True, None, 40 * 151, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp"])
@@ -524,11 +529,12 @@ def test_linear_opcheck(backend_name):
     if not usable:
         pytest.skip(why)
     args = linear_fused_args(backend_name)
-    torch.library.opcheck(linear_loss_forward, args,
+    torch.library.opcheck(loss.custom_op, loss.flatten(*args),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     masked = list(args)
-    masked[16], masked[21], masked[-2] = 0.0 * masked[16], False, torch.tensor(0.5, dtype=torch.float64)
-    torch.library.opcheck(linear_loss_forward, tuple(masked),
+    masked[4] = masked[4]._replace(w_ent=0.0 * masked[4].w_ent)
+    masked[8], masked[11] = False, torch.tensor(0.5, dtype=torch.float64)
+    torch.library.opcheck(loss.custom_op, loss.flatten(*masked),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

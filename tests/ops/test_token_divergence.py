@@ -11,7 +11,9 @@ import kltriton
 from helpers import MIXED_GRAD_RTOL, assert_close, grad_tols, random_labels, random_logits, temp, value_atol
 from kltriton import dispatch
 from kltriton.kernels import SKIP, statistics
+from kltriton.kernels.linear import Side
 from kltriton.ops import divergence as ops
+from kltriton.ops._define import Want
 
 CASES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.0), ("jsd", 0.1), ("jsd", 0.5), ("jsd", 0.9),
          ("jsd", 1.0)]
@@ -436,25 +438,29 @@ def op_samples(backend):
     stats = dispatch.implementation("stream", backend).forward(logits.detach(), ref, target, temp(0.9),
                                                                statistics.request(ref=True))
     lse, ref_lse = stats.lse, stats.ref_lse
-    yield ops.jsd_forward, (logits, ref, target, temp(0.9), lse, ref_lse, beta, backend)
+    dense = lambda x: Side(x, None, None, None, None)  # noqa: E731
+    yield ops.jsd, (dense(logits), dense(ref), target, temp(0.9), lse, ref_lse, beta, 0, backend)
     jsd, kl = dispatch.implementation("divergence", backend).forward(logits.detach(), ref, target, temp(0.9), lse,
                                                                      ref_lse, beta)
-    yield ops.jsd_backward, (logits.detach(), ref, target, temp(0.9), lse, ref_lse, beta, kl, torch.randn(6), backend)
+    yield ops.jsd_backward, (dense(logits.detach()), dense(ref), target, temp(0.9), lse, ref_lse, beta, kl,
+                             torch.randn(6), Want(True, False, False), 0, backend)
     weight = torch.rand(6)
     for kind in ("forward_kl", "reverse_kl", "jsd"):
-        yield ops.divergence_loss, (logits, ref, target, temp(0.9), weight, kind, beta, True, True, backend)
+        yield ops.divergence_loss, (dense(logits), dense(ref), target, temp(0.9), weight, kind, beta, True,
+                                    Want(True, False, False), 0, backend)
     ids = torch.randint(0, vocab, (6, 4))
     ids[0, 2] = -1
-    yield ops.column_logprobs, (logits, ids, target, temp(0.9), stats.lse, 1 << 20, backend)
+    yield ops.columns, (dense(logits), ids, target, temp(0.9), stats.lse, False, 1 << 20, backend)
+    yield ops.columns, (dense(logits), ids, target, temp(0.9), None, True, 1 << 20, backend)
     hidden, w, b = torch.randn(2, 3, 8, requires_grad=True), torch.randn(vocab, 8, requires_grad=True), None
     lin_lse = torch.logsumexp(F.linear(hidden.detach(), w.detach()).view(6, vocab) / 0.9, -1)
-    yield ops.linear_column_logprobs, (hidden, w, b, None, None, ids, target, temp(0.9), True, 1 << 20, backend)
-    yield ops.linear_column_backward, (hidden.detach(), w.detach(), b, None, None, target, temp(0.9), lin_lse,
-                                       torch.randn(6), ids, torch.randn(6, 4), True, True, False, 1 << 20, backend)
-    yield ops.linear_jsd_forward, (hidden, w, b, None, None, ref, None, None, None, None, target, temp(0.9), lin_lse,
-                                   ref_lse, beta, 1 << 20, backend)
-    yield ops.linear_divergence_loss, (hidden, w, b, None, None, ref, None, None, None, None, target, temp(0.9),
-                                       weight, "jsd", beta, False, True, True, False, 1 << 20, backend)
+    yield ops.columns, (Side(hidden, w, b, None, None), ids, target, temp(0.9), None, True, 1 << 20, backend)
+    yield ops.columns_backward, (Side(hidden.detach(), w.detach(), b, None, None), ids, target, temp(0.9), lin_lse,
+                                 torch.randn(6), torch.randn(6, 4), Want(True, True, False), 1 << 20, backend)
+    yield ops.jsd, (Side(hidden, w, b, None, None), dense(ref), target, temp(0.9), lin_lse, ref_lse, beta, 1 << 20,
+                    backend)
+    yield ops.divergence_loss, (Side(hidden, w, b, None, None), dense(ref), target, temp(0.9), weight, "jsd", beta,
+                                False, Want(True, True, False), 1 << 20, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
@@ -466,9 +472,9 @@ def test_opcheck(backend_name):
         # The losses' eager backward scales their output ``grad`` in place (no copy), which
         # test_aot_dispatch_dynamic sees as an output that differs from the compiled one (as the policy loss's
         # ops); under torch.compile it scales out of place: test_compile_fullgraph_matches_eager checks it.
-        in_place = op in (ops.divergence_loss, ops.linear_divergence_loss)
+        in_place = op is ops.divergence_loss
         test_utils = ("test_schema", "test_autograd_registration", "test_faketensor") if in_place else None
-        torch.library.opcheck(op, args, **({"test_utils": test_utils} if in_place else {}))
+        torch.library.opcheck(op.custom_op, op.flatten(*args), **({"test_utils": test_utils} if in_place else {}))
 
 
 def _loss_fn(student, teacher, ids, topk, labels, beta, temperature):

@@ -8,11 +8,15 @@ import kltriton
 from kltriton import dispatch
 from kltriton.kernels import SKIP
 from kltriton.kernels import statistics
-from kltriton.ops.stream import stream_backward, stream_forward
+from kltriton.kernels.linear import Side
+from kltriton.ops._define import Want
+from kltriton.ops.statistics import statistics as statistics_op, statistics_backward
 
 
 def op_samples(backend):
-    """Every variant of the stream family's two ops: entropy, reference, full KL, temperatures."""
+    """Every variant of the statistics ops on dense logits (the ``stream`` family): entropy, reference, full KL,
+    temperatures."""
+    dense = lambda x: None if x is None else Side(x, None, None, None, None)  # noqa: E731
     scalar = lambda value: torch.tensor(value, dtype=torch.float64)  # noqa: E731
     vocab = 67
     logits = torch.randn(2, 3, vocab, requires_grad=True)
@@ -23,15 +27,17 @@ def op_samples(backend):
             (None, False, False, 1.0), (None, True, False, 0.7), (ref, False, False, 1.3),
             (ref, True, True, 0.9), (ref, False, True, 1.0)):
         wanted = statistics.request(entropy=with_entropy, ref=ref_logits is not None, full_kl=with_full_kl)
-        yield stream_forward, (logits, ref_logits, target, scalar(temperature), wanted, backend)
+        yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, backend)
     impl = dispatch.implementation("stream", backend)
     stats = impl.forward(logits.detach(), ref, target, scalar(1.0), statistics.request(entropy=True, ref=True,
                                                                                          full_kl=True))
     g = torch.randn(6)
     full = statistics.gradient_basis({"logp": g, "entropy": g, "full_kl": g}, stats, scalar(1.0))
-    yield stream_backward, (logits.detach(), ref, target, scalar(1.0), stats.lse, stats.ref_lse, *full, backend)
+    yield statistics_backward, (dense(logits.detach()), dense(ref), target, scalar(1.0), stats.lse, stats.ref_lse, full,
+                                Want(True, False, False), 0, backend)
     plain = statistics.gradient_basis({"logp": g}, stats, scalar(0.8))
-    yield stream_backward, (logits.detach(), None, target, scalar(0.8), stats.lse, None, *plain, backend)
+    yield statistics_backward, (dense(logits.detach()), None, target, scalar(0.8), stats.lse, None, plain,
+                                Want(True, False, False), 0, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
@@ -40,7 +46,7 @@ def test_opcheck(backend_name):
     if not usable:
         pytest.skip(why)
     for op, args in op_samples(backend_name):
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op.custom_op, op.flatten(*args))
 
 
 def loss_fn(logits, ref, ids, mask, temperature, coef):

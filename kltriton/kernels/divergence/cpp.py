@@ -9,9 +9,6 @@ from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.stream import cpp as stream
 
 
-def availability():
-    return cpp_library.availability()
-
 
 def forward(logits, ref_logits, target, temperature, lse, ref_lse, beta):
     cpp_library.load()

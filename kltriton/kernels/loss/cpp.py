@@ -15,9 +15,6 @@ from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.stream import cpp as stream
 
 
-def availability():
-    return cpp_library.availability()
-
 
 def _f32(tensor):
     return None if tensor is None else tensor.detach().reshape(-1).to(torch.float32).contiguous()

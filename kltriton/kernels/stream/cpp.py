@@ -11,12 +11,6 @@ from kltriton.kernels import cpp_library
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def availability():
-    return cpp_library.availability()
-
 
 def _rows3d(tensor):
     return None if tensor is None else as_rows3d(tensor.detach())

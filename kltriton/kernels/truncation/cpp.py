@@ -12,9 +12,6 @@ from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
 
-def availability():
-    return cpp_library.availability()
-
 
 def forward(logits, target, temperature, top_k, top_p, min_p, floor, wanted):
     cpp_library.load()

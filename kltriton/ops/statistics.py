@@ -1,0 +1,97 @@
+"""The statistics pass as custom ops: ``kltriton::statistics`` and its gradient ``kltriton::statistics_backward``.
+
+One op per pass, keyed on the sides (``kltriton.kernels.linear.Side``): when both the policy and the reference
+(if any) are dense logits, the backend's ``stream`` family runs; when a side is an LM head, its ``linear`` family
+(GEMM tiles folded by the same ``stream`` kernel). ``statistics`` returns the ``StreamStats`` of the rows
+(``kltriton.kernels.statistics``); autograd turns the upstream gradients of its differentiable statistics into the
+gradient basis (``statistics.gradient_basis``) and ``statistics_backward`` takes them to the policy's logits, or to
+its hidden states, weight and bias.
+"""
+import torch
+
+from kltriton import dispatch
+from kltriton.kernels import accumulation_dtype
+from kltriton.kernels import statistics as table
+from kltriton.kernels.statistics import StreamStats
+from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, WANT, Want, define_op
+
+
+def family(policy, ref) -> str:
+    """``stream`` for dense logits on both sides, ``linear`` when a side is an LM head."""
+    return "stream" if policy.weight is None and (ref is None or ref.weight is None) else "linear"
+
+
+def _forward(args):
+    name = family(args.policy, args.ref)
+    impl = dispatch.implementation(name, args.backend)
+    if name == "stream":
+        return tuple(impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target,
+                                  args.temperature, args.wanted))
+    return tuple(impl.forward(args.policy, args.ref, args.target, args.temperature, args.wanted, args.tile_elements))
+
+
+def _forward_fake(args):
+    acc = accumulation_dtype(args.policy.x.dtype)
+    return tuple(table.empty_stats(args.target.shape[0], args.wanted,
+                                   lambda size: args.policy.x.new_empty(size, dtype=acc)))
+
+
+def _no_gradients(side, gradients):
+    """``(d_x, d_weight, d_bias)`` with an empty tensor where there is none (an op's output may not be None or alias
+    an input)."""
+    return tuple(side.x.new_empty(0) if d is None else d for d in gradients)
+
+
+def _backward_kernel(args):
+    name = family(args.policy, args.ref)
+    impl = dispatch.implementation(name, args.backend)
+    if name == "stream":
+        grad = impl.backward(args.policy.x, None if args.ref is None else args.ref.x, args.target, args.temperature,
+                             args.lse, args.ref_lse, args.basis)
+        return _no_gradients(args.policy, (grad, None, None))
+    return _no_gradients(args.policy, impl.backward(args.policy, args.ref, args.target, args.temperature, args.lse,
+                                                    args.ref_lse, args.basis, *args.want, args.tile_elements))
+
+
+def like_wanted(side, want):
+    """Empty tensors shaped like the wanted ones of the side's ``(x, weight, bias)`` (``[0]`` for the others)."""
+    return tuple(t.new_empty(t.shape) if w and t is not None else side.x.new_empty(0)
+                 for t, w in zip((side.x, side.weight, side.bias), want))
+
+
+statistics_backward = define_op(
+    "statistics_backward",
+    inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
+            ("ref_lse", OPTIONAL), ("basis", BASIS), ("want", WANT), ("tile_elements", INT), ("backend", STR)),
+    outputs=("d_x", "d_weight", "d_bias"), launch=_backward_kernel,
+    fake=lambda args: like_wanted(args.policy, (True, *args.want[1:]) if args.policy.weight is None else args.want))
+
+
+def gradients(policy, ref, target, temperature, tile_elements, backend, grads, stats, want, label_here=None):
+    """``(d_x, d_weight, d_bias)`` of upstream gradients ``grads`` (statistic name -> ``[N]`` or None) on the
+    statistics ``stats`` of a forward of ``policy`` and ``ref`` (``want``: which of the three; the others come back
+    empty). The reference is read only for the basis terms that need it (``Basis.reads_ref``). ``label_here``:
+    ``[N]`` bool, the rows whose label this vocab shard holds (the label term on those only)."""
+    basis = table.gradient_basis(grads, stats, temperature)
+    if label_here is not None:
+        basis = basis._replace(label=torch.where(label_here, basis.label, 0))
+    with_ref = basis.reads_ref()
+    return statistics_backward(policy, ref if with_ref else None, target, temperature, stats.lse,
+                               stats.ref_lse if with_ref else None, basis, Want(*want), tile_elements, backend)
+
+
+def _backward(saved, grads):
+    want = saved.needs_grad["policy"][:3]
+    stats = StreamStats(*(getattr(saved, name) for name in table.NAMES))
+    d = gradients(saved.policy, saved.ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
+                  grads, stats, want)
+    return {"policy": tuple(g if w else None for g, w in zip(d, want))}
+
+
+statistics = define_op(
+    "statistics",
+    inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("wanted", INT),
+            ("tile_elements", INT), ("backend", STR)),
+    outputs=table.NAMES, launch=_forward, fake=_forward_fake,
+    save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES), backward=_backward,
+    materialize_grads=False)
