@@ -34,14 +34,13 @@ inline KlEstimator estimator_of(const std::string& name) {
   return kNoKl;
 }
 
-constexpr double kLogRatioClamp = KLTRITON_LOG_RATIO_CLAMP;
-
 // The call's loss type, estimator and hyperparameters (the float64 vector, slots of constants.py).
 struct LossParams {
   LossType loss_type;
   KlEstimator estimator;
   bool straight_through;
   double ratio_low, ratio_high, dual_clip, kl_clamp;  // dual_clip / kl_clamp: +inf when off
+  double log_ratio_clamp;  // the ratio is exp(clamp(d, -c, c)); +inf: no clamp
   double delta, tau_pos, tau_neg, clip_ratio_c, dro_beta;  // delta: +inf when off
   bool kl_ratio;  // the KL term is multiplied by the ratio (TRL use_bias_correction_kl)
 
@@ -53,6 +52,7 @@ struct LossParams {
         ratio_high(hp[KLTRITON_HP_RATIO_HIGH]),
         dual_clip(hp[KLTRITON_HP_DUAL_CLIP]),
         kl_clamp(hp[KLTRITON_HP_KL_CLAMP]),
+        log_ratio_clamp(hp[KLTRITON_HP_LOG_RATIO_CLAMP]),
         delta(hp[KLTRITON_HP_DELTA]),
         tau_pos(hp[KLTRITON_HP_TAU_POS]),
         tau_neg(hp[KLTRITON_HP_TAU_NEG]),
@@ -76,29 +76,39 @@ inline bool dppo_valid(const LossParams& P, double lp, double old, double A) {
   return A > 0 ? (div <= clip_high || p <= p_old) : (div <= clip_low || p >= p_old);
 }
 
+// The importance ratio exp(clamp(d, -c, c)) and its derivative w.r.t. logp (0 beyond the clamp).
+struct Ratio {
+  double value, slope;
+  Ratio(const LossParams& P, double d)
+      : value(std::exp(std::min(std::max(d, -P.log_ratio_clamp), P.log_ratio_clamp))),
+        slope(std::abs(d) <= P.log_ratio_clamp ? value : 0.0) {}
+  // g * d ratio / d logp; a zero g stays 0 where an unclamped ratio overflows to +inf.
+  double chain(double g) const { return g == 0.0 ? 0.0 : g * slope; }
+};
+
 // d pg / d logp of one row (before the row's weight w_pg), for d = fp32(lp - old).
 inline double pg_slope(const LossParams& P, double lp, double old, double d, double A) {
-  const double ratio = std::exp(std::min(std::max(d, -kLogRatioClamp), kLogRatioClamp));
-  const double d_ratio = std::abs(d) <= kLogRatioClamp ? ratio : 0.0;  // d ratio / d logp
+  const Ratio r(P, d);
+  const double ratio = r.value;
   switch (P.loss_type) {
     case kPpo: {  // max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
       const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * std::min(std::max(ratio, P.ratio_low), P.ratio_high);
       double g_ratio = pg1 >= pg2 ? (ratio <= P.delta ? -A : 0.0)
                                   : (ratio >= P.ratio_low && ratio <= P.ratio_high ? -A : 0.0);
       if (A < 0 && std::max(pg1, pg2) > -A * P.dual_clip) g_ratio = 0.0;  // dual clip holds the loss
-      return g_ratio * d_ratio;
+      return r.chain(g_ratio);
     }
     case kCispo:  // -sg(clip(ratio)) * A * logp
       return -std::min(std::max(ratio, P.ratio_low), P.ratio_high) * A;
     case kSapo: {  // -A * 4 sigmoid(tau (r - 1)) / tau
       const double tau = A > 0 ? P.tau_pos : P.tau_neg;
       const double s = 1.0 / (1.0 + std::exp(-tau * (ratio - 1.0)));
-      return -A * 4.0 * s * (1.0 - s) * d_ratio;
+      return r.chain(-A * 4.0 * s * (1.0 - s));
     }
     case kGpg:  // -logp * A
       return -A;
     case kClippedRatio:  // -clip(r) * A, through the ratio inside the range
-      return ratio >= P.ratio_low && ratio <= P.ratio_high ? -A * d_ratio : 0.0;
+      return ratio >= P.ratio_low && ratio <= P.ratio_high ? r.chain(-A) : 0.0;
     case kDppoTv:
     case kDppoKl:  // -A * sg(min(r, clip_ratio_c)) * logp inside the trust region
       return dppo_valid(P, lp, old, A) ? -A * std::min(ratio, P.clip_ratio_c) : 0.0;
@@ -119,8 +129,8 @@ inline RowSlopes row_g_logp(const LossParams& P, const RowIn& in, int64_t n, dou
   const double d = static_cast<double>(static_cast<float>(lp - old));
   RowSlopes g{in.wpg[n] * pg_slope(P, lp, old, d, in.adv[n]), 0.0};
   if (P.estimator == kNoKl) return g;
-  const double ratio = std::exp(std::min(std::max(d, -kLogRatioClamp), kLogRatioClamp));
-  const double d_ratio = std::abs(d) <= kLogRatioClamp ? ratio : 0.0;
+  const Ratio r(P, d);
+  const double ratio = r.value, d_ratio = r.slope;
   const double weight = P.kl_ratio ? ratio : 1.0;
   if (P.estimator == kFull) {  // the full KL's own gradient goes through its statistic; 0 where clamped
     const bool held = std::abs(full_kl) > P.kl_clamp;

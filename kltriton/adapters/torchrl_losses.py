@@ -11,7 +11,9 @@ and it is carried by ``loss_objective`` (the fused loss's gradient is one), whil
 log-prob is NaN (scored by torchrl's entropy, not its loss) is computed in torch from those rows' logits.
 
 torchrl's ``CISPOLoss`` is ``-clip(r) * A`` differentiated through the ratio (``loss_type="clipped_ratio"``), not the
-``cispo`` of verl and TRL. What runs torchrl's own code, with a warning once per module: ``kl_mask_threshold``
+``cispo`` of verl and TRL. torchrl's ratio ``exp(log_weight)`` has no log-ratio clamp (verl clamps it at +-20), so
+neither has the drop-ins' (``log_ratio_clamp=math.inf``): a log-ratio of +22 with a negative advantage gives
+torchrl's loss and gradient. What runs torchrl's own code, with a warning once per module: ``kl_mask_threshold``
 (a per-token mask on the new log-probs that changes the denominators), ``kl_to_inference_coeff`` (a second KL
 term), ``aggregation`` / ``reduction`` ``"none"`` (per-token losses), token-level masks and composite
 distributions.
@@ -91,8 +93,9 @@ class _FusedObjective:
             advantage = advantage.squeeze(-1)
         advantage = advantage.expand(mask.shape)
         numel = mask.numel()
+        # torchrl's ratio is exp(log_weight), the log-weight not clamped (verl's names clamp it at +-20)
         kwargs = dict(loss_type=self._loss_type, clip_low=float(self.clip_epsilon_low),
-                      clip_high=float(self.clip_epsilon_high), mask=mask, old_logprobs=old)
+                      clip_high=float(self.clip_epsilon_high), log_ratio_clamp=math.inf, mask=mask, old_logprobs=old)
         if self.aggregation == "prompt_mean":  # per-sample masked mean, then the mean over every sample (the KL
             # stays a mean over every position)
             kwargs.update(pg_aggregation="seq-mean-token-mean", entropy_aggregation="seq-mean-token-mean",

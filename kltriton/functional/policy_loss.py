@@ -83,10 +83,6 @@ def _denominator(name, value, device):
     return runtime_scalar(check_float(name, value, above=0.0), device)
 
 
-def _names_of(formula):
-    return tuple(name for name, spec in terms.LOSS_TYPES.items() if spec.formula == formula)
-
-
 # --- sequence-level weights ---------------------------------------------------------------------
 
 def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype, num_tokens=None, num_seqs_agg=None):
@@ -217,6 +213,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
+    log_ratio_clamp: Optional[float] = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_clamp: Optional[float] = None,
@@ -262,10 +259,19 @@ def policy_loss(
         loss_type: a policy loss of verl 0.9.1's registry (``"vanilla"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"gspo"``,
             ``"sapo"``, ``"gpg"``, ``"clip_cov"``, ``"kl_cov"``, ``"geo_mean"``, ``"dro"``, ``"cispo"``,
             ``"bypass_mode"``) or a TRL 1.16 ``loss_type`` (``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``,
-            ``"cispo"``, ``"sapo"``, ``"luspo"``, ``"vespo"``), or ``"ppo"`` (= ``"vanilla"``): formulas, sources
-            and parameters in ``docs/api/losses.md``. ``clip_low`` / ``clip_high`` (default ``clip_low``) are
-            verl's ``clip_ratio_low`` / ``_high`` (TRL's ``epsilon`` / ``epsilon_high``); ``dual_clip=c > 1`` is
-            verl's ``clip_ratio_c`` of the PPO formula.
+            ``"cispo"``, ``"sapo"``, ``"luspo"``, ``"vespo"``), or ``"ppo"`` (``"vanilla"``'s formula, a dual clip
+            only when given): formulas, sources and parameters in ``docs/api/losses.md``. A name alone takes its
+            trainer's defaults (verl's ``ActorConfig``, TRL's ``GRPOConfig``; ``cispo`` and ``sapo``, in both,
+            verl's): the keywords left None below, and the loss type's own parameters, take the loss type's default
+            (``terms.DEFAULTS``, the table of ``docs/api/losses.md``); a keyword given always wins. ``clip_low`` /
+            ``clip_high`` (default ``clip_low``) are verl's ``clip_ratio_low`` / ``_high`` (TRL's ``epsilon`` /
+            ``epsilon_high``).
+        dual_clip: verl's ``clip_ratio_c`` of the PPO formula: for ``A < 0`` the loss is at most ``-A * dual_clip``
+            (``> 1``); ``math.inf``: no dual clip. None: the loss type's (3.0 for ``vanilla`` and ``bypass_mode``,
+            as verl's ``ActorConfig``; none for ``ppo`` and TRL's names).
+        log_ratio_clamp: the ratio is ``exp(clamp(logp - old, -c, c))`` (``> 0``); ``math.inf``: no clamp. None:
+            the loss type's (20 for verl's names and ``ppo``, as verl; none for TRL's names and ``clipped_ratio``,
+            as TRL and torchrl).
         **loss_parameters: the loss type's own parameters under their upstream names (``delta``, ``tau_pos`` /
             ``sapo_temperature_pos``, ``tau_neg``, ``clip_ratio_c`` (DPPO), ``dro_beta``, ``clip_cov_ratio``,
             ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``vespo_k_pos``, ...,
@@ -296,8 +302,9 @@ def policy_loss(
             ``pg_aggregation`` another one for the policy term alone (verl's ``sapo`` and ``geo_mean`` fix theirs,
             while its KL and entropy terms follow ``loss_agg_mode``; ``geo_mean``'s is over the local sequences,
             as verl's ``torch.mean``); ``horizon``
-            divides ``"seq-mean-token-sum-norm"`` (verl's ``loss_scale_factor``; default the padded length ``T``,
-            the longest packed segment, or ``N``); ``batch_num_tokens`` / ``global_batch_size`` replace the
+            divides ``"seq-mean-token-sum-norm"`` (verl's ``loss_scale_factor``; default the loss type's: 512 for
+            ``dr_grpo``, TRL's ``max_completion_length``, else the padded length ``T``, the longest packed segment,
+            or ``N``); ``batch_num_tokens`` / ``global_batch_size`` replace the
             token-mean / seq-mean denominators (verl's ``global_batch_info``; numbers or 0-dim tensors).
         compute_entropy: False skips the entropy (its output and ``entropy_mean`` are 0); needs no entropy term.
         process_group, vocab_start: vocab-parallel logits or ``LinearLogits`` weight shards (and the
@@ -322,8 +329,9 @@ def policy_loss(
                  vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
     device, shape, layout = call.device, call.layout.shape, call.layout
     spec = terms.loss_type_of(loss_type)
-    params = terms.loss_parameters(loss_type, loss_parameters)
-    aggregation = spec.aggregation if aggregation is None else aggregation
+    aggregation, dual_clip, log_ratio_clamp, horizon, params = terms.settings(  # None: the loss type's default
+        loss_type, loss_parameters, aggregation=aggregation, dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp,
+        horizon=horizon)
     for name, value in (("aggregation", aggregation), ("entropy_aggregation", entropy_aggregation),
                         ("pg_aggregation", pg_aggregation)):
         if value is not None and value not in AGGREGATIONS:
@@ -343,7 +351,6 @@ def policy_loss(
     # CISPO's upper bound may lie below 1: TRL caps the ratio at epsilon_high itself (clip_high = epsilon_high - 1)
     clip_high = clip_low if clip_high is None else check_float(
         "clip_high", clip_high, **({"above": -1.0} if formula == "cispo" else {"at_least": 0.0}))
-    dual_clip = check_float("dual_clip", dual_clip, above=1.0, allow_none=True)
     kl_coef = check_float("kl_coef", kl_coef)
     entropy_coef = check_float("entropy_coef", entropy_coef)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
@@ -373,8 +380,6 @@ def policy_loss(
             formula, old_logprobs, rollout_logprobs, is_mode = "ppo", rollout_logprobs, None, None
         else:
             formula = "gpg"
-    if dual_clip is not None and formula != "ppo":
-        raise ValueError(f"dual_clip applies to the PPO formula ({_names_of('ppo')}), got loss_type={loss_type!r}")
 
     with_ref_logits = call.ref is not None
     if ref is None and kl_coef != 0.0:
@@ -419,6 +424,7 @@ def policy_loss(
     hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
                                ratio_high=runtime_scalar(1.0 + clip_high, device),
                                dual_clip=None if dual_clip is None else runtime_scalar(dual_clip, device),
+                               log_ratio_clamp=runtime_scalar(log_ratio_clamp, device),
                                kl_clamp=None if kl_clamp is None else runtime_scalar(kl_clamp, device),
                                kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
                                **{name: runtime_scalar(value, device) for name, value in params.items()

@@ -29,9 +29,9 @@ Q = 4  # the reference's probabilities (the forward KL's gradient p - q)
 # --- the loss family ------------------------------------------------------------------------------
 # Loss types and KL estimators cross into the kernels by name (Triton: constexpr strings; C++: matched
 # once per call): each kernel file lists the ones it implements (kltriton.kernels.loss.terms: all).
-LOG_RATIO_CLAMP = 20.0  # verl clamps log(ratio) to [-20, 20] before exp (vanilla, cispo)
 # The loss kernels' float64 hyperparameter vector, by slot: data, so a new value never recompiles.
-HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp",
+# log_ratio_clamp: the ratio is exp(clamp(logp - old, -c, c)) (verl: 20; TRL, torchrl: +inf, no clamp).
+HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp", "log_ratio_clamp",
                    # the loss types' own parameters (kltriton.kernels.loss.terms.PARAMETERS), then kl_ratio:
                    # 1.0 multiplies the KL term by the importance ratio (TRL use_bias_correction_kl), 0.0 not
                    "delta", "tau_pos", "tau_neg", "clip_ratio_c", "dro_beta", "clip_cov_ratio", "clip_cov_lb",
@@ -56,14 +56,13 @@ CPP_LINK_FLAGS = ("-fopenmp",)
 
 def cpp_defines() -> list:
     """This table as ``-D`` flags: ``KLTRITON_SKIP``, ``KLTRITON_STAT_<NAME>`` (index),
-    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_LOG_RATIO_CLAMP``."""
+    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
              f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
              f"-DKLTRITON_WANT_FORWARD_KL={FORWARD_KL}",
              f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_BASIS_P_LOGP={P_LOGP}",
              f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_BASIS_Q={Q}",
-             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}",
-             f"-DKLTRITON_LOG_RATIO_CLAMP={LOG_RATIO_CLAMP!r}"]
+             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}"]
     flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
     flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]
     flags += [f"-DKLTRITON_HP_{name.upper()}={i}" for i, name in enumerate(HYPERPARAMETERS)]

@@ -94,3 +94,33 @@ def test_unmapped_options_run_torchrl_with_a_warning(actor_and_batch, monkeypatc
         loss(td.copy())
     torch.testing.assert_close(got.loss_objective, expected.loss_objective)
     assert losses.calls == 0
+
+
+@pytest.mark.parametrize("name,kwargs", [("GRPOLoss", dict(clip_epsilon=0.2, kl_to_ref_coeff=0.1, entropy_coeff=0.05)),
+                                         ("DAPO", dict(clip_epsilon=(0.2, 0.28))),
+                                         ("CISPOLoss", dict(clip_epsilon=(0.2, 0.28), kl_to_ref_coeff=0.1))])
+def test_extreme_log_ratio_matches_torchrl(actor_and_batch, name, kwargs):
+    """torchrl's ratio ``exp(log_weight)`` has no clamp: a log-ratio of +22 under a negative advantage (and -22 under
+    a positive one) gives torchrl's loss (about 3.6e9 |A| on that token, not verl's clamped exp(20) |A|) and its
+    gradient, with no fallback to torchrl's forward."""
+    actor, td = actor_and_batch
+    td = td.copy()
+    with torch.no_grad():
+        logp = actor(td.copy()).get(GEN, as_padded_tensor=True)
+    old, advantage = td.get(GEN, as_padded_tensor=True).clone(), td["advantage"].clone()
+    for (row, col), log_ratio, sign in (((1, 6), 22.0, -1.0), ((0, 6), -22.0, 1.0)):
+        old[row, col] = logp[row, col] - log_ratio
+        advantage[row, col] = sign * (0.5 + advantage[row, col].abs())
+    td[GEN], td["advantage"] = old, advantage
+    expected, e_grads = _run(getattr(real, name), actor, td, "rlhf", kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to torchrl's forward
+        got, grads = _run(getattr(ours, name), actor, td, "rlhf", kwargs)
+    if name != "CISPOLoss":  # the unclipped branch carries the +22 token: beyond exp(20)
+        assert float(expected.loss_objective) > 1e8
+    for key in expected.keys():
+        torch.testing.assert_close(getattr(got, key).detach(), getattr(expected, key).detach(), atol=2e-6, rtol=2e-5,
+                                   msg=lambda m: f"{key}: {m}")  # noqa: B023
+    assert len(grads) == len(e_grads) > 0
+    for g, e in zip(grads, e_grads):  # fp32 backward through the model at the scale of its largest gradient
+        torch.testing.assert_close(g, e, atol=1e-6 * (1 + e.abs().max().item()), rtol=1e-4)

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("trl")
 
+import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
 from trl_support import config, dataset, reward_cats, tiny_llama  # noqa: E402
@@ -191,3 +192,76 @@ def test_off_policy_mask_entropy_bonus_and_eval(rig, monkeypatch, loss_type):
     finally:
         trainer.model.train()
     assert losses.calls == calls
+
+
+_PPO_NAMES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@pytest.fixture(scope="module")
+def default_trainer(tmp_path_factory):
+    """A GRPOTrainer (TRL's own head and loss, kltriton not applied) whose loss fields are all ``GRPOConfig``'s
+    defaults (only the run's plumbing is set), on one step with no accumulation, and the batch of ``_batch``."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    path = tmp_path_factory.mktemp("tiny-llama-defaults")
+    tiny_llama(path)
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("out")), report_to="none", use_cpu=True, bf16=False,
+                      per_device_train_batch_size=B, num_generations=B, save_strategy="no", disable_tqdm=True,
+                      dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=str(path), reward_funcs=reward_cats, args=args, train_dataset=dataset())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = _batch(trainer)
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()  # this step's tokens: one process
+    return trainer, inputs
+
+
+def _extreme(trainer, inputs):
+    """The batch with an old log-prob 22 below the current one (log-ratio +22, which TRL does not clamp) in a
+    sequence of negative advantage, and 22 above in one of positive advantage."""
+    inputs = dict(inputs, old_per_token_logps=inputs["old_per_token_logps"].clone())
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+    adv, scored = inputs["advantages"], inputs["completion_mask"][:, 1] > 0
+    negative, positive = int(torch.nonzero((adv < 0) & scored)[0]), int(torch.nonzero((adv > 0) & scored)[0])
+    for row, log_ratio in ((negative, 22.0), (positive, -22.0)):
+        inputs["old_per_token_logps"][row, 1] = logps[row, 1] - log_ratio
+    return inputs
+
+
+@pytest.mark.parametrize("extreme", [False, True], ids=["ordinary", "log-ratio-22"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_loss_type_alone_is_trls_default_config(default_trainer, loss_type, extreme):
+    """``kltriton.policy_loss(loss_type=name)`` with nothing else (on the completions' logits) equals TRL's own
+    ``_compute_loss`` under ``GRPOConfig``'s defaults: no dual clip, no log-ratio clamp, dr_grpo's normalizer
+    ``max_completion_length = 512``, ... The names verl registers too (``cispo``, ``sapo``) take verl's defaults;
+    TRL's versions of them are the documented keywords (``docs/api/losses.md``)."""
+    trainer, inputs = default_trainer
+    if extreme:
+        inputs = _extreme(trainer, inputs)
+    model = trainer.model
+    trainer.loss_type = loss_type
+    model.zero_grad()
+    expected = trainer._compute_loss(model, inputs)
+    expected.backward()
+    e_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1:-1]
+    trl_form = {"cispo": dict(clip_low=1.0, clip_high=trainer.epsilon_high - 1.0, log_ratio_clamp=math.inf),
+                "sapo": dict(log_ratio_clamp=math.inf, global_batch_size=float(B))}.get(loss_type, {})
+    out = kltriton.policy_loss(logits, inputs["completion_ids"], inputs["advantages"], mask=inputs["completion_mask"],
+                               old_logprobs=inputs["old_per_token_logps"], loss_type=loss_type, **trl_form)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    # Log-probs from two LM heads differ by fp32 rounding (~1e-6): the loss and its gradients agree to 1e-5. The
+    # backward through the model rounds in fp32 at the scale of the largest gradient (exp(22) at the extreme).
+    torch.testing.assert_close(out.loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(e_grads) > 0
+    for a, b in zip(grads, e_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * (1 + b.abs().max().item()))
+    if extreme and loss_type in _PPO_NAMES:  # TRL's unclamped ratio: exp(22) |A|, not verl's exp(20) |A|
+        assert expected.abs() > 1e4, float(expected)

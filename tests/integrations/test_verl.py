@@ -231,6 +231,63 @@ def test_registry_losses_through_kltriton(name, aggregation):
             assert abs(float(ours[key]) - float(value)) < 1e-5, (key, float(ours[key]), float(value))
 
 
+def _extreme(logits, labels, old, advantages):
+    """Two scored tokens with log-ratios beyond verl's clamp of 20: +22 under a negative advantage (the dual clip
+    and the clamp hold), -22 under a positive one."""
+    logp = verl_F.logprobs_from_logits_naive(logits.double(), labels)
+    old, advantages = old.clone(), advantages.clone()
+    for (row, col), log_ratio, sign in (((0, 7), 22.0, -1.0), ((2, 3), -22.0, 1.0)):
+        old[row, col] = float(logp[row, col] - log_ratio)
+        advantages[row, col] = sign * (0.5 + advantages[row, col].abs())
+    return old, advantages
+
+
+@pytest.mark.parametrize("backend", ["reference", None], ids=["reference-fp64", "default-fp32"])
+@pytest.mark.parametrize("extreme", [False, True], ids=["ordinary", "log-ratio-22"])
+@pytest.mark.parametrize("name", sorted(core_algos.POLICY_LOSS_REGISTRY))
+def test_a_registry_name_alone_is_verls_default_config(name, extreme, backend):
+    """``kltriton.policy_loss(loss_type=name)`` with nothing else equals verl's registered function under verl's
+    default configuration (``ActorConfig()`` and its ``PolicyLossConfig``: clip ratios 0.2, ``clip_ratio_c`` 3.0,
+    ``loss_agg_mode`` token-mean, ...), called as verl's ``ppo_loss`` calls it: loss, logits gradient, metrics. On
+    float64 logits with the reference backend, and on float32 logits with the default backend."""
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
+    logits, labels, mask, advantages, old, _ = _registry_batch()
+    if extreme:
+        old, advantages = _extreme(logits, labels, old, advantages)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         policy_loss=PolicyLossConfig(loss_mode=name))
+    x64 = logits.double().requires_grad_()
+    old_or_rollout = dict(rollout_logprobs=old.to(dtype)) if name == "bypass_mode" else dict(old_logprobs=old.to(dtype))
+    x = logits.to(dtype).requires_grad_()
+    if name == "dro":  # PolicyLossConfig.dro_beta is None: an error in verl, and here
+        with pytest.raises(ValueError, match="dro_beta"):
+            core_algos.get_policy_loss_fn(name)(old.double(), verl_F.logprobs_from_logits_naive(x64, labels),
+                                                advantages.double(), mask, config.loss_agg_mode, config)
+        with pytest.raises(ValueError, match="dro_beta"):
+            kltriton.policy_loss(x, labels, advantages.to(dtype), mask=mask, loss_type=name, backend=backend,
+                                 **old_or_rollout)
+        return
+    torch.manual_seed(7)  # clip_cov draws its tokens with torch.randperm
+    expected, metrics = core_algos.get_policy_loss_fn(name)(
+        old.double(), verl_F.logprobs_from_logits_naive(x64, labels), advantages.double(), mask, config.loss_agg_mode,
+        config)
+    (e_grad,) = torch.autograd.grad(expected, x64)
+    torch.manual_seed(7)
+    out = kltriton.policy_loss(x, labels, advantages.to(dtype), mask=mask, loss_type=name, backend=backend,
+                               **old_or_rollout)
+    (grad,) = torch.autograd.grad(out.loss, x)
+    # float64: rounding only; float32 logits: what PyTorch's own fp32 log_softmax reaches against float64.
+    loss_tol, grad_tol = ((1e-10, 1e-12), (1e-10, 1e-12)) if backend == "reference" else ((1e-5, 1e-6), (1e-4, 1e-6))
+    torch.testing.assert_close(out.loss.double(), expected.detach(), rtol=loss_tol[0], atol=loss_tol[1])
+    torch.testing.assert_close(grad.double(), e_grad, rtol=grad_tol[0], atol=grad_tol[1])
+    ours = kl_verl.pg_metrics(out)
+    for key, value in metrics.items():
+        if key in ours:
+            assert abs(float(ours[key]) - float(value)) < 1e-5, (key, float(ours[key]), float(value))
+
+
 def test_every_registry_name_has_a_mapping():
     names = set(core_algos.POLICY_LOSS_REGISTRY)
     assert names == {name.split("/")[0] for name in REGISTRY_CONFIGS}

@@ -1,10 +1,12 @@
 """The loss derivative per row, written three times (``terms.SLOPES``, C++ ``row_g_logp``, Triton
 ``_row_g_logp``), held against autograd through the formulas (``terms.token_terms`` / ``objective``) in float64
-and against each other, for every fused formula and estimator, with and without TRL's bias-corrected KL.
+and against each other, for every fused formula and estimator, with and without TRL's bias-corrected KL, with
+verl's log-ratio clamp (20) and without one (TRL's and torchrl's ratio).
 
 Tolerances: the C++ and Triton kernels compute in float64 from fp32 inputs and round the result to fp32,
 so they agree with the float64 formula to a few fp32 ulps of the result (plus the fp32 rounding of the
-log-ratio, which every backend applies alike)."""
+log-ratio, which every backend applies alike: a relative 6e-8 * |log-ratio| of an unclamped ratio)."""
+import math
 import zlib
 
 import pytest
@@ -38,10 +40,11 @@ def rows(seed, on_policy=False):
     return logp, ref, full_kl, inputs
 
 
-def hp(loss_type, kl_clamp, kl_ratio, delta):
+def hp(loss_type, kl_clamp, kl_ratio, delta, log_ratio_clamp=20.0):
     return terms.hyperparameters("cpu", ratio_low=0.8, ratio_high=1.28,
                                  dual_clip=3.0 if loss_type == "ppo" else None, kl_clamp=kl_clamp, kl_ratio=kl_ratio,
-                                 delta=delta, tau_pos=1.0, tau_neg=1.05, clip_ratio_c=1.2, dro_beta=0.3)
+                                 delta=delta, tau_pos=1.0, tau_neg=1.05, clip_ratio_c=1.2, dro_beta=0.3,
+                                 log_ratio_clamp=log_ratio_clamp)
 
 
 def autograd_g_logp(loss_type, estimator, logp, ref, full_kl, inputs, params):
@@ -70,19 +73,61 @@ def _python(logp, ref, inputs, params, loss_type, estimator, full_kl):
     return terms.coefficients(loss_type, est, logp, ref, inputs, params, full_kl)[0]
 
 
+@pytest.mark.parametrize("log_ratio_clamp", [20.0, math.inf], ids=["verl-clamp", "no-clamp"])
 @pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
 @pytest.mark.parametrize("loss_type", terms.FUSED)
-def test_three_implementations_agree_with_autograd(loss_type, estimator):
+def test_three_implementations_agree_with_autograd(loss_type, estimator, log_ratio_clamp):
     for on_policy, kl_clamp, kl_ratio, delta in SETTINGS:
         logp, ref, full_kl, inputs = rows(zlib.crc32(f"{loss_type}{estimator}{on_policy}".encode()), on_policy)
-        params = hp(loss_type, kl_clamp, kl_ratio, delta)
+        params = hp(loss_type, kl_clamp, kl_ratio, delta, log_ratio_clamp)
         want = autograd_g_logp(loss_type, estimator, logp, ref, full_kl, inputs, params)
+        # The absolute tolerance from the rows of ordinary size: an unclamped ratio of exp(25) on rows 0-1 would
+        # make it meaningless for the others (those two are held to the relative tolerance).
+        scale = want[2:].abs().max().item()
+        rtol = 4e-7 if log_ratio_clamp == 20.0 else 2e-6
         # Ties of the clip's max (ratio exactly at a bound) split the gradient under autograd; none here.
         for name, coefficients in implementations():
             got = coefficients(logp, ref, inputs, params, loss_type, estimator, full_kl)
-            assert_close(got, want, atol=1e-6 * (1 + want.abs().max().item()), rtol=4e-7,
+            assert_close(got, want, atol=1e-6 * (1 + scale), rtol=rtol,
                          what=f"{name} {loss_type} {estimator!r} clamp={kl_clamp} kl_ratio={kl_ratio} "
-                              f"on_policy={on_policy}")
+                              f"on_policy={on_policy} log_ratio_clamp={log_ratio_clamp}")
+
+
+@pytest.mark.parametrize("loss_type", terms.FUSED)
+def test_log_ratio_clamp_is_a_runtime_value(loss_type):
+    """The clamp is a slot of the hyperparameter vector on every backend: a log-ratio of +-22 gets verl's slope (0
+    beyond the clamp of 20) or, without a clamp, the slope of the unclamped ratio (exp(22) for PPO's unclipped
+    branch under a negative advantage); a log-ratio inside the clamp is the same either way."""
+    logp = torch.tensor([-1.0, -30.0, -1.0, -30.0, -1.0, -2.0])
+    old = logp - torch.tensor([22.0, -22.0, 22.0, -22.0, 0.3, -0.1])
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0, -0.5, 0.7])
+    w = torch.ones(6)
+    inputs = LossInputs(old, adv, w, 0 * w, 0 * w, None)
+    for name, coefficients in implementations():
+        clamped, free = (coefficients(logp, logp, inputs, terms.hyperparameters(
+            "cpu", ratio_low=0.8, ratio_high=1.28, log_ratio_clamp=c, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
+            dro_beta=0.3), loss_type, "", logp) for c in (20.0, math.inf))
+        assert torch.equal(clamped[4:], free[4:]), name
+        if loss_type in ("ppo", "sapo", "dppo_tv", "dppo_kl"):  # their slope goes through the ratio out there
+            assert not torch.equal(clamped[:4], free[:4]), (name, loss_type)
+        if loss_type == "ppo":
+            assert clamped[0] == 0 and free[0] == pytest.approx(math.exp(22.0), rel=1e-6), (name, clamped, free)
+
+
+def test_an_overflowing_unclamped_ratio_gives_no_nan():
+    """Without a clamp a log-ratio of 800 overflows the ratio to +inf even in float64: a slope that is 0 there (a
+    clip, the dual clip, SAPO's saturated gate) stays 0 on every backend, never 0 * inf = NaN."""
+    logp = torch.full((6,), -1.0)
+    old = logp - torch.tensor([800.0, 800.0, 800.0, -800.0, 800.0, 0.0])
+    adv = torch.tensor([1.0, -1.0, 0.5, 1.0, -2.0, 1.0])
+    w = torch.ones(6)
+    inputs = LossInputs(old, adv, w, 0 * w, 0 * w, None)
+    for loss_type, expected in (("ppo", [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]), ("sapo", [0.0, 0.0, 0.0, 0.0, 0.0, -1.0]),
+                                ("clipped_ratio", [0.0, 0.0, 0.0, 0.0, 0.0, -1.0])):
+        params = hp(loss_type, math.inf, 0.0, math.inf, math.inf)  # ppo: the dual clip (3.0) holds A < 0
+        for name, coefficients in implementations():
+            got = coefficients(logp, logp, inputs, params, loss_type, "", logp)
+            assert torch.equal(got, torch.tensor(expected)), (name, loss_type, got)
 
 
 def test_the_cases_are_not_trivial():

@@ -15,6 +15,13 @@ TRL_NAMES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
 ALL_SEQUENCES = ("grpo", "dr_grpo", "luspo", "geo_mean")
 DEFAULT_AGGREGATION = {"grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm",
                        "luspo": "seq-mean-token-sum", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+# The trainers' defaults of a name alone. verl (ActorConfig): clip_ratio_c = 3.0, the dual clip of vanilla (and of
+# bypass_mode's ppo_clip) and DPPO's truncation; the log-ratio clamped to +-20 (core_algos). TRL (GRPOConfig,
+# _compute_loss) and torchrl: no dual clip, no log-ratio clamp; dr_grpo divides by max_completion_length = 512.
+# kltriton's own "ppo": verl's clamp, no dual clip.
+UNCLAMPED = TRL_NAMES + ("vespo", "clipped_ratio")
+DEFAULT_DUAL_CLIP = {"vanilla": 3.0, "bypass_mode": 3.0}
+DEFAULT_HORIZON = {"dr_grpo": 512.0}
 
 
 def batch(dtype=torch.float32, seed=0, spread=0.3, per_sequence_advantages=False):
@@ -104,17 +111,19 @@ def policy_term(lt, cfg, logp, old, A, m, is_log):
     low, high = cfg.get("clip_low", 0.2), cfg.get("clip_high", cfg.get("clip_low", 0.2))
     zero = torch.zeros_like(m, dtype=torch.bool)
     level = cfg.get("importance_sampling_level", "token")
+    name = cfg.get("loss_type", "ppo")
+    clamp = cfg.get("log_ratio_clamp", math.inf if name in UNCLAMPED else 20.0)
     if level == "sequence":  # TRL: one ratio per sequence (its mean log-ratio)
         seq = ((logp - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
-        lr_seq = torch.clamp(seq, -20, 20)
-    lr = torch.clamp(logp - old, -20, 20)
+        lr_seq = torch.clamp(seq, -clamp, clamp)
+    lr = torch.clamp(logp - old, -clamp, clamp)
     ratio = torch.exp(lr) if level == "token" else torch.exp(lr_seq).expand_as(lr)
     if lt in ("ppo", "vanilla") + TRL_NAMES:
         # verl vanilla: max(-A r, -A clip(r)), dual clip; TRL: -min(min(r, delta) A, clip(r) A)
         r1 = torch.clamp(ratio, max=cfg["delta"]) if cfg.get("delta") else ratio
         pg1, pg2 = -A * r1, -A * torch.clamp(ratio, 1 - low, 1 + high)
         c1 = torch.maximum(pg1, pg2)
-        c = cfg.get("dual_clip") or math.inf
+        c = cfg.get("dual_clip", DEFAULT_DUAL_CLIP.get(name, math.inf))
         pg3 = -A * c
         pg = torch.where(A < 0, torch.minimum(pg3, c1), c1)
         return pg, ratio, pg2 > pg1, (c1 > pg3) & (A < 0), -lr, {}
@@ -131,7 +140,7 @@ def policy_term(lt, cfg, logp, old, A, m, is_log):
     if lt == "gpg":
         return -logp * A, ratio, zero, zero, -lr, {}
     if lt in ("dppo_tv", "dppo_kl"):
-        cap = cfg.get("clip_ratio_c", 20.0)
+        cap = cfg.get("clip_ratio_c", 3.0)
         trunc = torch.clamp(ratio, max=cap).detach()
         prob, old_prob = torch.exp(logp), torch.exp(old)
         if lt == "dppo_tv":
@@ -250,13 +259,14 @@ def oracle(x, d, cfg):
         kl = kl * ratio
     mode = cfg.get("aggregation") or DEFAULT_AGGREGATION.get(cfg.get("loss_type", "ppo"), "token-mean")
     all_seqs = cfg.get("loss_type", "ppo") in ALL_SEQUENCES
-    agg = lambda mat: aggregate(mat.expand(B, T), m, mode, all_seqs, cfg.get("horizon", T),  # noqa: E731
+    horizon = cfg.get("horizon", DEFAULT_HORIZON.get(cfg.get("loss_type", "ppo"), T))
+    agg = lambda mat: aggregate(mat.expand(B, T), m, mode, all_seqs, horizon,  # noqa: E731
                                 cfg.get("batch_num_tokens"), cfg.get("global_batch_size"))
     ent_mask = m if keep is None else m * keep
     if cfg.get("entropy_aggregation"):
         ent_term = aggregate(entropy, ent_mask, cfg["entropy_aggregation"], False)
     else:
-        ent_term = aggregate(entropy, ent_mask, mode, all_seqs, cfg.get("horizon", T), cfg.get("batch_num_tokens"),
+        ent_term = aggregate(entropy, ent_mask, mode, all_seqs, horizon, cfg.get("batch_num_tokens"),
                              cfg.get("global_batch_size")) if keep is not None else agg(entropy)
     pg_term = agg(pg * weight)
     kl_term = agg(kl)

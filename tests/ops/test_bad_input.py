@@ -57,10 +57,13 @@ def _float_options():
                                                                                 for k, x in kw.items()})
     out = []
     nonfinite = (float("nan"), float("inf"), float("-inf"))
-    for option, negative in (("clip_low", -0.1), ("clip_high", -0.1), ("dual_clip", 0.5), ("kl_coef", None),
+    for option, negative in (("clip_low", -0.1), ("clip_high", -0.1), ("kl_coef", None),
                              ("entropy_coef", None), ("is_cap", -1.0), ("horizon", -3.0), ("kl_clamp", -1.0)):
         bad = nonfinite + ((negative,) if negative is not None else ())
         out.append(("policy_loss", option, loss(**{option: None}), bad))
+    for option, out_of_range in (("dual_clip", 0.5), ("log_ratio_clamp", 0.0)):  # +inf: off (docs/api/losses.md)
+        out.append(("policy_loss", option, loss(loss_type="vanilla", **{option: None}),
+                    (float("nan"), float("-inf"), out_of_range)))
     out.append(("token_kl", "kl_clamp", lambda v: kltriton.token_kl(logits, ref, labels, kl_clamp=v),
                 nonfinite + (0.0, -1.0)))
     out.append(("token_logprobs", "temperature", lambda v: kltriton.token_logprobs(logits, labels, temperature=v),

@@ -2,6 +2,9 @@
 and every loss option against float64 oracles restating the upstream code (``loss_oracles.py``): the loss, the
 per-token outputs, the metrics and the logits gradient at upstream gradients 1 and 0.7, on every backend; the
 token-level ones produce their gradient in the forward."""
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -294,3 +297,95 @@ def test_per_sequence_weights_shapes():
     torch.testing.assert_close(a.loss, c.loss)
     with pytest.raises(ValueError, match="rollout_is_weights"):
         kltriton.policy_loss(d.logits, d.labels, d.adv, rollout_is_weights=torch.rand(T))
+
+
+def _extreme_batch():
+    """``batch()`` with log-ratios of +22 under a negative advantage and -22 under a positive one (beyond verl's
+    clamp of 20; TRL and torchrl do not clamp), in the old and the rollout log-probs."""
+    d = batch()
+    logp = torch.log_softmax(d.logits.double(), -1).gather(-1, d.labels[..., None]).squeeze(-1)
+    for (row, col), log_ratio, sign in (((0, 4), 22.0, -1.0), ((3, 6), -22.0, 1.0)):
+        assert d.mask[row, col]
+        for old in (d.old, d.rollout):
+            old[row, col] = float(logp[row, col] - log_ratio)
+        d.adv[row, col] = sign * (0.5 + d.adv[row, col].abs())
+    return d
+
+
+@pytest.mark.parametrize("extreme", [False, True], ids=["ordinary", "log-ratio-22"])
+@pytest.mark.parametrize("name", [name for name in terms.LOSS_TYPES if name != "dro"])
+def test_a_name_alone_takes_its_trainers_defaults(backend, name, extreme):
+    """``policy_loss(loss_type=name)`` and nothing else equals the oracle under the trainer's defaults (verl's
+    ActorConfig: dual clip 3.0, DPPO's truncation 3.0, the log-ratio clamped at 20; TRL's GRPOConfig: no dual clip,
+    no clamp, dr_grpo's horizon 512; ``loss_oracles``), at ordinary log-ratios and at +-22."""
+    d = _extreme_batch() if extreme else batch()
+    cfg = {"loss_type": name}
+    x64 = d.logits.double().requires_grad_()
+    torch.manual_seed(5)
+    e_loss, e_out, e_metrics = oracle(x64, d, cfg)
+    e_grad, = torch.autograd.grad(e_loss, x64)
+    x = d.logits.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = call(x, d, cfg, backend)
+    out.loss.backward()
+    check(out, e_loss, e_out, e_metrics, what=f"{backend} {name}")
+    assert_close(x.grad, e_grad, 2e-6, 1e-4, what=f"{backend} {name} grad")
+
+
+def test_dro_alone_needs_its_beta_as_verl():
+    """verl's PolicyLossConfig.dro_beta is None: DRO with verl's defaults is an error there, and here."""
+    d = batch()
+    with pytest.raises(ValueError, match="dro_beta"):
+        call(d.logits, d, {"loss_type": "dro"}, None)
+
+
+def test_the_defaults_differ_where_the_trainers_do():
+    """The defaults the table changes are live: verl's dual clip and clamp hold at +22 under a negative advantage,
+    TRL's names see the unclamped ratio, and an explicit keyword wins."""
+    d = _extreme_batch()
+    loss = {cfg: call(d.logits, d, dict(cfg), "reference").loss for cfg in (
+        (("loss_type", "vanilla"),), (("loss_type", "ppo"),), (("loss_type", "bnpo"),),
+        (("loss_type", "vanilla"), ("dual_clip", math.inf)), (("loss_type", "ppo"), ("dual_clip", 3.0)),
+        (("loss_type", "bnpo"), ("log_ratio_clamp", 20.0)), (("loss_type", "vanilla"), ("dual_clip", math.inf),
+                                                             ("log_ratio_clamp", math.inf)))}
+    vanilla, ppo, bnpo, vanilla_no_dual, ppo_dual, bnpo_clamped, vanilla_free = loss.values()
+    assert vanilla < 100 < ppo < bnpo  # 3 |A| vs exp(20) |A| vs exp(22) |A|, spread over the tokens
+    torch.testing.assert_close(vanilla_no_dual, ppo)
+    torch.testing.assert_close(ppo_dual, vanilla)
+    torch.testing.assert_close(bnpo_clamped, ppo)
+    torch.testing.assert_close(vanilla_free, bnpo)
+
+
+def test_default_keywords_are_checked():
+    d = batch()
+    with pytest.raises(ValueError, match="dual_clip applies to the loss types .*'vanilla'.*not loss_type='gspo'"):
+        call(d.logits, d, dict(loss_type="gspo", dual_clip=3.0), None)
+    with pytest.raises(ValueError, match="log_ratio_clamp applies to .*not loss_type='geo_mean'"):
+        call(d.logits, d, dict(loss_type="geo_mean", log_ratio_clamp=20.0), None)
+    for value, error in ((0.5, "dual_clip must be > 1.0"), (math.nan, "dual_clip must be finite"),
+                         (-math.inf, "dual_clip must be finite"), ("3", "dual_clip must be a python float")):
+        with pytest.raises((ValueError, TypeError), match=error):
+            call(d.logits, d, dict(loss_type="vanilla", dual_clip=value), None)
+    with pytest.raises(ValueError, match="log_ratio_clamp must be > 0.0"):
+        call(d.logits, d, dict(loss_type="grpo", log_ratio_clamp=0.0), None)
+
+
+def _docs_defaults():
+    """``(loss_type, keyword) -> (default, source)`` from the defaults table of ``docs/api/losses.md``."""
+    text = (Path(__file__).parents[2] / "docs" / "api" / "losses.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`") and cells[2].startswith("`") and cells[0] != "`loss_type`":
+            for name in cells[0].split(", "):
+                rows[(name.strip("`"), cells[1].strip("`"))] = (cells[2].strip("`"), cells[3])
+    return rows
+
+
+def test_docs_table_lists_every_default_with_its_source():
+    def shown(value):
+        return "inf" if value == math.inf else str(value)
+
+    table = {(name, key): (shown(entry.value), entry.source) for name, row in terms.DEFAULTS.items()
+             for key, entry in row.items()}
+    assert _docs_defaults() == table

@@ -1,9 +1,12 @@
 """The policy-loss formulas in PyTorch (``[N]`` work), declared once: every policy loss of verl 0.9.1's
 ``core_algos`` registry and every TRL 1.16 ``GRPOConfig.loss_type``.
 
-``LOSS_TYPES`` maps each accepted name to its ``LossType``: the formula it runs, where the name comes from,
-its default aggregation and its own parameters (``PARAMETERS``: keyword arguments of ``policy_loss`` with the
-upstream names, validated here). ``docs/api/losses.md`` is the table for users.
+``LOSS_TYPES`` maps each accepted name to its ``LossType``: the formula it runs and where the name comes from.
+``DEFAULTS``, next to it, is the one table of what a name alone sets: for each loss type, its default of each
+``policy_loss`` keyword that depends on the loss type (the aggregation, the dual clip, the log-ratio clamp,
+``dr_grpo``'s horizon, and the loss type's own parameters, ``PARAMETERS``: keyword arguments with the upstream
+names, validated here), each with its source in verl's or TRL's code. ``settings`` resolves them for one call.
+``docs/api/losses.md`` is the table for users.
 
 Every path uses ``token_terms`` for the loss value and the metrics; the two-pass route differentiates it by
 autograd. The formulas of ``FUSED`` have a derivative w.r.t. a row's log-prob that depends on that row alone;
@@ -15,8 +18,9 @@ it is written out three times: ``SLOPES`` here (the reference backend's), ``row_
 
 ``hyperparameters`` is the float64 vector of the ``loss`` family, slots ``constants.HYPERPARAMETERS``:
 ``ratio_low = 1 - clip_low``, ``ratio_high = 1 + clip_high``, ``dual_clip`` (``inf`` off), ``kl_clamp``
-(``inf`` off), the loss types' parameters by name (``delta``: ``inf`` off), and ``kl_ratio`` (1: the KL term
-is multiplied by the importance ratio, TRL's ``use_bias_correction_kl``).
+(``inf`` off), ``log_ratio_clamp`` (the ratio is ``exp(clamp(logp - old, -c, c))``; ``inf``: no clamp), the loss
+types' parameters by name (``delta``: ``inf`` off), and ``kl_ratio`` (1: the KL term is multiplied by the
+importance ratio, TRL's ``use_bias_correction_kl``).
 """
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -27,18 +31,17 @@ from kltriton import estimators
 from kltriton._inputs import check_float
 from kltriton.kernels import constants
 
-LOG_RATIO_CLAMP = constants.LOG_RATIO_CLAMP
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the log of the GSPO token ratio at 10
-VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps VESPO's sequence log-weight to [log 1e-8, 20]
+VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps VESPO's token log-ratios to +-20, its sequence log-weight to
+VESPO_LOG_W_MAX = 20.0            # [log 1e-8, 20]
 SLOT = {name: i for i, name in enumerate(constants.HYPERPARAMETERS)}
 
 
 # --- the loss types -----------------------------------------------------------------------------
 
 class Parameter(NamedTuple):
-    """A loss type's own keyword argument: its default (``None``: required), ``check_float``'s range, the
-    names it is also accepted under, and for a string parameter its choices."""
-    default: object
+    """A loss type's own keyword argument: ``check_float``'s range, the names it is also accepted under, and for
+    a string parameter its choices (its default is the loss type's, in ``DEFAULTS``)."""
     check: Dict[str, float]
     aliases: Tuple[str, ...] = ()
     choices: Tuple[str, ...] = ()
@@ -46,60 +49,127 @@ class Parameter(NamedTuple):
 
 
 PARAMETERS = {
-    "delta": Parameter(None, {"above": 0.0}, doc="TRL's two-sided clip (INTELLECT-2): the unclipped ratio is capped "
-                       "at delta"),
-    "tau_pos": Parameter(1.0, {"above": 0.0}, ("sapo_temperature_pos",), doc="SAPO gate temperature, advantage > 0"),
-    "tau_neg": Parameter(1.05, {"above": 0.0}, ("sapo_temperature_neg",), doc="SAPO gate temperature, advantage <= 0"),
-    "clip_ratio_c": Parameter(20.0, {"above": 0.0}, doc="DPPO: the ratio weight is truncated at clip_ratio_c"),
-    "dro_beta": Parameter(None, {"above": 0.0}, doc="DRO: weight of the quadratic log-ratio penalty"),
-    "clip_cov_ratio": Parameter(0.0002, {"above": 0.0}, doc="Clip-Cov: fraction of tokens whose gradient is cut"),
-    "clip_cov_lb": Parameter(1.0, {}, doc="Clip-Cov: covariance lower bound of the candidates"),
-    "clip_cov_ub": Parameter(5.0, {}, doc="Clip-Cov: covariance upper bound of the candidates"),
-    "kl_cov_ratio": Parameter(0.0002, {"above": 0.0}, doc="KL-Cov: fraction of tokens that get the |log ratio| "
-                              "penalty"),
-    "ppo_kl_coef": Parameter(0.1, {}, doc="KL-Cov: weight of that penalty"),
-    "vespo_k_pos": Parameter(2.0, {}, doc="VESPO: power of the gamma weight, advantage >= 0"),
-    "vespo_lambda_pos": Parameter(3.0, {}, doc="VESPO: decay of the gamma weight, advantage >= 0"),
-    "vespo_k_neg": Parameter(3.0, {}, doc="VESPO: power of the gamma weight, advantage < 0"),
-    "vespo_lambda_neg": Parameter(2.0, {}, doc="VESPO: decay of the gamma weight, advantage < 0"),
-    "bypass_loss_type": Parameter("ppo_clip", {}, choices=("ppo_clip", "reinforce"),
-                                  doc="bypass_mode: verl's rollout_correction.loss_type"),
+    "delta": Parameter({"above": 0.0}, doc="TRL's two-sided clip (INTELLECT-2): the unclipped ratio is capped at "
+                       "delta"),
+    "tau_pos": Parameter({"above": 0.0}, ("sapo_temperature_pos",), doc="SAPO gate temperature, advantage > 0"),
+    "tau_neg": Parameter({"above": 0.0}, ("sapo_temperature_neg",), doc="SAPO gate temperature, advantage <= 0"),
+    "clip_ratio_c": Parameter({"above": 0.0}, doc="DPPO: the ratio weight is truncated at clip_ratio_c"),
+    "dro_beta": Parameter({"above": 0.0}, doc="DRO: weight of the quadratic log-ratio penalty"),
+    "clip_cov_ratio": Parameter({"above": 0.0}, doc="Clip-Cov: fraction of tokens whose gradient is cut"),
+    "clip_cov_lb": Parameter({}, doc="Clip-Cov: covariance lower bound of the candidates"),
+    "clip_cov_ub": Parameter({}, doc="Clip-Cov: covariance upper bound of the candidates"),
+    "kl_cov_ratio": Parameter({"above": 0.0}, doc="KL-Cov: fraction of tokens that get the |log ratio| penalty"),
+    "ppo_kl_coef": Parameter({}, doc="KL-Cov: weight of that penalty"),
+    "vespo_k_pos": Parameter({}, doc="VESPO: power of the gamma weight, advantage >= 0"),
+    "vespo_lambda_pos": Parameter({}, doc="VESPO: decay of the gamma weight, advantage >= 0"),
+    "vespo_k_neg": Parameter({}, doc="VESPO: power of the gamma weight, advantage < 0"),
+    "vespo_lambda_neg": Parameter({}, doc="VESPO: decay of the gamma weight, advantage < 0"),
+    "bypass_loss_type": Parameter({}, choices=("ppo_clip", "reinforce"), doc="bypass_mode: verl's "
+                                  "rollout_correction.loss_type"),
 }
 
 
 class LossType(NamedTuple):
     formula: str                    # the formula it runs (a key of FORMULAS)
     source: str                     # where the name comes from
-    aggregation: str                # its default aggregation (verl agg_loss mode)
-    parameters: Tuple[str, ...]     # its own keyword arguments (PARAMETERS)
     sequence_level: bool = False    # accepts importance_sampling_level="sequence" (TRL)
     all_sequences: bool = False     # its seq-mean divides by every sequence (TRL's .mean()), not the non-empty ones
 
 
-_PPO = ("delta",)
 LOSS_TYPES = {
-    "ppo": LossType("ppo", "kltriton: verl vanilla with TRL's delta", "token-mean", _PPO, True),
-    "vanilla": LossType("ppo", "verl", "token-mean", _PPO, True),
-    "grpo": LossType("ppo", "TRL", "seq-mean-token-mean", _PPO, True, True),
-    "bnpo": LossType("ppo", "TRL", "token-mean", _PPO, True),
-    "dapo": LossType("ppo", "TRL", "token-mean", _PPO, True),
-    "dr_grpo": LossType("ppo", "TRL", "seq-mean-token-sum-norm", _PPO, True, True),
-    "luspo": LossType("ppo", "TRL", "seq-mean-token-sum", _PPO, True, True),
-    "cispo": LossType("cispo", "verl, TRL", "token-mean", (), True),
-    "sapo": LossType("sapo", "verl, TRL", "seq-mean-token-mean", ("tau_pos", "tau_neg"), True),
-    "gspo": LossType("gspo", "verl", "token-mean", ()),
-    "gpg": LossType("gpg", "verl", "token-mean", ()),
-    "dppo_tv": LossType("dppo_tv", "verl", "token-mean", ("clip_ratio_c",)),
-    "dppo_kl": LossType("dppo_kl", "verl", "token-mean", ("clip_ratio_c",)),
-    "dro": LossType("dro", "verl", "token-mean", ("dro_beta",)),
-    "clip_cov": LossType("clip_cov", "verl", "token-mean", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
-    "kl_cov": LossType("kl_cov", "verl", "token-mean", ("kl_cov_ratio", "ppo_kl_coef")),
-    "geo_mean": LossType("geo_mean", "verl", "seq-mean-token-mean", (), all_sequences=True),
-    "vespo": LossType("vespo", "TRL", "token-mean", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                                                     "vespo_lambda_neg"), True),
-    "bypass_mode": LossType("bypass_mode", "verl", "token-mean", ("bypass_loss_type",)),
-    "clipped_ratio": LossType("clipped_ratio", "torchrl CISPOLoss", "token-mean", ()),
+    "ppo": LossType("ppo", "kltriton: verl vanilla with TRL's delta", True),
+    "vanilla": LossType("ppo", "verl", True),
+    "grpo": LossType("ppo", "TRL", True, True),
+    "bnpo": LossType("ppo", "TRL", True),
+    "dapo": LossType("ppo", "TRL", True),
+    "dr_grpo": LossType("ppo", "TRL", True, True),
+    "luspo": LossType("ppo", "TRL", True, True),
+    "cispo": LossType("cispo", "verl, TRL", True),
+    "sapo": LossType("sapo", "verl, TRL", True),
+    "gspo": LossType("gspo", "verl"),
+    "gpg": LossType("gpg", "verl"),
+    "dppo_tv": LossType("dppo_tv", "verl"),
+    "dppo_kl": LossType("dppo_kl", "verl"),
+    "dro": LossType("dro", "verl"),
+    "clip_cov": LossType("clip_cov", "verl"),
+    "kl_cov": LossType("kl_cov", "verl"),
+    "geo_mean": LossType("geo_mean", "verl", all_sequences=True),
+    "vespo": LossType("vespo", "TRL", True),
+    "bypass_mode": LossType("bypass_mode", "verl"),
+    "clipped_ratio": LossType("clipped_ratio", "torchrl CISPOLoss"),
 }
+
+
+class Default(NamedTuple):
+    """A loss type's default of one ``policy_loss`` keyword, and where the trainer sets it."""
+    value: object
+    source: str
+
+
+INF = math.inf
+# Sources, in verl 0.9.1 and TRL 1.16 (file: field or function).
+_ACTOR = "verl workers/config/actor.py ActorConfig"
+_POLICY = "verl workers/config/actor.py PolicyLossConfig"
+_ALGOS = "verl trainer/ppo/core_algos.py"
+_GRPO_CONFIG = "TRL trainer/grpo_config.py GRPOConfig"
+_TRL_LOSS = "TRL trainer/grpo_trainer.py GRPOTrainer._compute_loss"
+_VERL_AGG = Default("token-mean", f"{_ACTOR}.loss_agg_mode")
+_VERL_DUAL = Default(3.0, f"{_ACTOR}.clip_ratio_c")
+_VERL_CLAMP = Default(20.0, f"{_ALGOS}: clamp(log_prob - old_log_prob, -20, 20)")
+_TRL_CLAMP = Default(INF, f"{_TRL_LOSS}: exp(log_ratio), not clamped")
+_REPORTED_CLAMP = Default(20.0, "kltriton: verl's clamp (the ratio is only reported)")
+_NO_DELTA = Default(None, "kltriton: off (TRL's two-sided clip; verl has none)")
+_DPPO_CAP = Default(3.0, f"{_ACTOR}.clip_ratio_c (core_algos' fallback of 20.0 applies only without that field)")
+_TRL_ITEMS = Default("token-mean", f"{_TRL_LOSS}: / num_items_in_batch")
+_TRL_PPO = dict(dual_clip=Default(INF, f"{_TRL_LOSS}: no dual clip"), log_ratio_clamp=_TRL_CLAMP,
+                delta=Default(None, f"{_GRPO_CONFIG}.delta"))
+# What a loss type's name alone sets: keyword -> Default. A loss type reads only the keywords of its row (a
+# dual_clip or log_ratio_clamp given to another is an error). A name both trainers register (cispo, sapo) takes
+# verl's defaults (TRL's GRPOConfig would cap CISPO's ratio at epsilon_high = epsilon = 0.2). The keywords every
+# loss type shares have one default for all, the same in verl and TRL: clip_low = clip_high = 0.2 (verl
+# ActorConfig.clip_ratio / _low / _high; TRL GRPOConfig.epsilon, epsilon_high None = epsilon), no KL, no entropy
+# bonus, the token-level ratio (TRL GRPOConfig.importance_sampling_level).
+DEFAULTS = {
+    "ppo": dict(aggregation=Default("token-mean", "kltriton (verl's agg_loss default)"),
+                dual_clip=Default(INF, "kltriton: a dual clip only when given"),
+                log_ratio_clamp=Default(20.0, "kltriton: verl's clamp"), delta=_NO_DELTA),
+    "vanilla": dict(aggregation=_VERL_AGG, dual_clip=_VERL_DUAL, log_ratio_clamp=_VERL_CLAMP, delta=_NO_DELTA),
+    "grpo": dict(aggregation=Default("seq-mean-token-mean", f"{_TRL_LOSS}: the sequences' token means, .mean()"),
+                 **_TRL_PPO),
+    "bnpo": dict(aggregation=Default("token-mean", f"{_TRL_LOSS}: / mask.sum()"), **_TRL_PPO),
+    "dapo": dict(aggregation=_TRL_ITEMS, **_TRL_PPO),
+    "dr_grpo": dict(aggregation=Default("seq-mean-token-sum-norm", f"{_TRL_LOSS}: / (B * max_completion_length)"),
+                    horizon=Default(512.0, f"{_GRPO_CONFIG}.max_completion_length"), **_TRL_PPO),
+    "luspo": dict(aggregation=Default("seq-mean-token-sum", f"{_TRL_LOSS}: .sum(-1).mean()"), **_TRL_PPO),
+    "cispo": dict(aggregation=_VERL_AGG, log_ratio_clamp=_VERL_CLAMP),
+    "sapo": dict(aggregation=Default("seq-mean-token-mean", f"{_ALGOS} compute_policy_loss_sapo (fixed)"),
+                 log_ratio_clamp=_VERL_CLAMP, tau_pos=Default(1.0, f"{_ACTOR}.tau_pos"),
+                 tau_neg=Default(1.05, f"{_ACTOR}.tau_neg")),
+    "gspo": dict(aggregation=_VERL_AGG),
+    "gpg": dict(aggregation=_VERL_AGG, log_ratio_clamp=_REPORTED_CLAMP),
+    "dppo_tv": dict(aggregation=_VERL_AGG, log_ratio_clamp=_VERL_CLAMP, clip_ratio_c=_DPPO_CAP),
+    "dppo_kl": dict(aggregation=_VERL_AGG, log_ratio_clamp=_VERL_CLAMP, clip_ratio_c=_DPPO_CAP),
+    "dro": dict(aggregation=_VERL_AGG, log_ratio_clamp=_REPORTED_CLAMP,
+                dro_beta=Default(None, f"{_POLICY}.dro_beta (required)")),
+    "clip_cov": dict(aggregation=_VERL_AGG, clip_cov_ratio=Default(0.0002, f"{_POLICY}.clip_cov_ratio"),
+                     clip_cov_lb=Default(1.0, f"{_POLICY}.clip_cov_lb"),
+                     clip_cov_ub=Default(5.0, f"{_POLICY}.clip_cov_ub")),
+    "kl_cov": dict(aggregation=_VERL_AGG, kl_cov_ratio=Default(0.0002, f"{_POLICY}.kl_cov_ratio"),
+                   ppo_kl_coef=Default(0.1, f"{_POLICY}.ppo_kl_coef")),
+    "geo_mean": dict(aggregation=Default("seq-mean-token-mean", f"{_ALGOS} compute_policy_loss_geo_mean: "
+                                                                "torch.mean over the sequences")),
+    "vespo": dict(aggregation=_TRL_ITEMS, log_ratio_clamp=_TRL_CLAMP,
+                  **{name: Default(value, f"{_GRPO_CONFIG}.{name}") for name, value in
+                     (("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0), ("vespo_k_neg", 3.0),
+                      ("vespo_lambda_neg", 2.0))}),
+    "bypass_mode": dict(aggregation=_VERL_AGG, dual_clip=_VERL_DUAL, log_ratio_clamp=_VERL_CLAMP,
+                        bypass_loss_type=Default("ppo_clip", "verl trainer/config/algorithm.py "
+                                                             "RolloutCorrectionConfig.loss_type")),
+    "clipped_ratio": dict(aggregation=Default("token-mean", "torchrl objectives/llm/grpo.py GRPOLoss aggregation="
+                                                            "'token_mean'"),
+                          log_ratio_clamp=Default(INF, "torchrl objectives/llm/grpo.py: log_weight not clamped")),
+}
+assert set(DEFAULTS) == set(LOSS_TYPES)
 # Formulas whose derivative w.r.t. a row's log-prob depends on that row alone: the fused kernels.
 FUSED = ("ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio")
 # Formulas that need whole sequences (a sequence ratio or weight) or the whole batch (a covariance selection)
@@ -116,32 +186,74 @@ def loss_type_of(name) -> LossType:
     return spec
 
 
-def loss_parameters(loss_type: str, given: dict) -> dict:
-    """``loss_type``'s parameters (canonical name -> python float or str) from the keyword arguments ``given``
-    (canonical names or aliases), defaults filled in. A keyword the loss type does not take is a
-    ``TypeError`` naming it and the loss type's parameters; a value out of range a ``ValueError``."""
-    spec = loss_type_of(loss_type)
-    by_alias = {alias: name for name in spec.parameters for alias in (name, *PARAMETERS[name].aliases)}
+def own_parameters(loss_type: str) -> Tuple[str, ...]:
+    """The loss type's own keyword arguments (``PARAMETERS``): those its row of ``DEFAULTS`` sets."""
+    return tuple(name for name in DEFAULTS[loss_type] if name in PARAMETERS)
+
+
+class Settings(NamedTuple):
+    """A ``policy_loss`` call's loss-type-dependent keywords: the given ones, the loss type's defaults for the
+    others (``DEFAULTS``)."""
+    aggregation: str
+    dual_clip: Optional[float]   # None: the formula has none; inf: off
+    log_ratio_clamp: float       # inf: no clamp
+    horizon: Optional[float]     # None: the padded length
+    parameters: dict             # the loss type's own parameters: canonical name -> python float, str or None
+
+
+def _limit(name, value, above):
+    """A clip limit: a python float ``> above``, or ``math.inf`` (off)."""
+    if isinstance(value, float) and not torch.compiler.is_compiling() and value == INF:
+        return value
+    return check_float(name, value, above=above)
+
+
+def settings(loss_type: str, given: dict, *, aggregation=None, dual_clip=None, log_ratio_clamp=None,
+             horizon=None) -> Settings:
+    """The loss type's ``Settings``: each keyword given (not None) wins, the others take the loss type's default.
+    ``given``: its own parameters as keyword arguments (canonical names or aliases). A keyword the loss type does not
+    take is a ``TypeError`` (own parameters) or ``ValueError`` naming it; a value out of range a ``ValueError``."""
+    loss_type_of(loss_type)
+    defaults = DEFAULTS[loss_type]
+    for name, value in (("dual_clip", dual_clip), ("log_ratio_clamp", log_ratio_clamp)):
+        if value is not None and name not in defaults:
+            takes = tuple(key for key, row in DEFAULTS.items() if name in row)
+            raise ValueError(f"{name} applies to the loss types {takes}, not loss_type={loss_type!r}")
+    default = {name: entry.value for name, entry in defaults.items()}
+    dual_clip = default.get("dual_clip") if dual_clip is None else dual_clip
+    log_ratio_clamp = default.get("log_ratio_clamp", INF) if log_ratio_clamp is None else log_ratio_clamp
+    return Settings(default["aggregation"] if aggregation is None else aggregation,
+                    None if dual_clip is None else _limit("dual_clip", dual_clip, 1.0),
+                    _limit("log_ratio_clamp", log_ratio_clamp, 0.0),
+                    default.get("horizon") if horizon is None else horizon,
+                    _parameters(loss_type, given, default))
+
+
+def _parameters(loss_type: str, given: dict, default: dict) -> dict:
+    """``loss_type``'s own parameters (canonical name -> python float, str or None) from the keyword arguments
+    ``given``, ``default`` filled in."""
+    names = own_parameters(loss_type)
+    by_alias = {alias: name for name in names for alias in (name, *PARAMETERS[name].aliases)}
     values = {}
     for key, value in given.items():
         name = by_alias.get(key)
         if name is None:
             takes = ", ".join(f"{n} (also {', '.join(PARAMETERS[n].aliases)})" if PARAMETERS[n].aliases else n
-                              for n in spec.parameters) or "no parameters of its own"
+                              for n in names) or "no parameters of its own"
             raise TypeError(f"policy_loss() got an unexpected keyword argument {key!r}: loss_type={loss_type!r} "
                             f"takes {takes}")
         if name in values:
             raise TypeError(f"policy_loss() got {name!r} twice (under two of its names)")
         values[name] = value
     out = {}
-    for name in spec.parameters:
+    for name in names:
         param = PARAMETERS[name]
-        value = values.get(name, param.default)
+        value = values.get(name, default[name])
         if param.choices:
             if value not in param.choices:
                 raise ValueError(f"{name} must be one of {param.choices}, got {value!r}")
             out[name] = value
-        elif value is None and param.default is None and name in values:
+        elif value is None and default[name] is None and name in values:
             out[name] = None  # an explicit None of an optional parameter: off
         elif value is None and name == "dro_beta":
             raise ValueError("loss_type='dro' needs dro_beta > 0 (verl's policy_loss.dro_beta)")
@@ -212,17 +324,23 @@ def kl_term(estimator: Optional[estimators.Estimator], logp, ref_logp, full_kl, 
     return estimator.value(logp, ref_logp, full_kl, kl_clamp)
 
 
+def _clamp_log_ratio(log_ratio, clamp):
+    """``log_ratio`` clamped to ``[-clamp, clamp]`` (``clamp`` a 0-dim tensor, ``inf``: unchanged)."""
+    return torch.clamp(log_ratio, -clamp, clamp)
+
+
 def _token_ratio(b: Batch):
-    """verl's ratio: ``exp(clamp(logp - old, -20, 20))`` and that clamped log-ratio."""
-    log_ratio = torch.clamp(b.logp - b.old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """The ratio ``exp(clamp(logp - old, -c, c))`` (verl: ``c = 20``; TRL, torchrl: none) and that clamped
+    log-ratio."""
+    log_ratio = _clamp_log_ratio(b.logp - b.old, b.param("log_ratio_clamp"))
     return torch.exp(log_ratio), log_ratio
 
 
 def _sequence_ratio(b: Batch):
     """TRL's ``importance_sampling_level="sequence"``: ``exp`` of the mean log-ratio of the sequence's scored
-    tokens (clamped to +-20 like the token ratio), differentiable through every one of them, broadcast."""
+    tokens (clamped like the token ratio), differentiable through every one of them, broadcast."""
     mean = b.seq_sum(b.logp - b.old) / b.seq_count().clamp(min=1)
-    return torch.exp(torch.clamp(mean, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[b.seq_index]
+    return torch.exp(_clamp_log_ratio(mean, b.param("log_ratio_clamp")))[b.seq_index]
 
 
 def _no(b: Batch):
@@ -377,10 +495,10 @@ def vespo(b: Batch, ratio, log_ratio):
     the sequence weight ``w = exp(sum clamp(logp - old, +-20) + sum log IS)`` (``log w`` clamped to
     ``[log 1e-8, 20]``), ``k, lambda`` by the advantage's sign (``>= 0``: ``_pos``)."""
     with torch.no_grad():
-        log_w = b.seq_sum(torch.clamp(b.logp - b.old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        log_w = b.seq_sum(torch.clamp(b.logp - b.old, -VESPO_LOG_W_MAX, VESPO_LOG_W_MAX))
         if b.log_is is not None:
-            log_w = log_w + b.seq_sum(torch.clamp(b.log_is, VESPO_LOG_W_MIN, LOG_RATIO_CLAMP))
-        log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)[b.seq_index]
+            log_w = log_w + b.seq_sum(torch.clamp(b.log_is, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX))
+        log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)[b.seq_index]
         nonneg = b.adv >= 0
         k = torch.where(nonneg, b.param("vespo_k_pos"), b.param("vespo_k_neg"))
         lam = torch.where(nonneg, b.param("vespo_lambda_pos"), b.param("vespo_lambda_neg")).clamp(min=1e-4)
@@ -440,47 +558,53 @@ def entropy_keep(entropy, scored, quantile):
 
 # --- the derivative per row of the FUSED formulas -----------------------------------------------
 
-def _ratio_slope(logp, old):
-    """``(d, r, dr)``: ``d = logp - old``, verl's clamped ratio ``r`` and ``d r / d logp`` (0 beyond the
-    clamp)."""
+def _ratio_slope(logp, old, hp):
+    """``(d, r, dr)``: ``d = logp - old``, the ratio ``r = exp(clamp(d, -c, c))`` (``c`` the ``log_ratio_clamp``
+    slot) and ``d r / d logp`` (0 beyond the clamp)."""
     d = logp - old
-    ratio = torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return d, ratio, torch.where(d.abs() <= LOG_RATIO_CLAMP, ratio, torch.zeros_like(ratio))
+    clamp = hp[SLOT["log_ratio_clamp"]]
+    ratio = torch.exp(_clamp_log_ratio(d, clamp))
+    return d, ratio, torch.where(d.abs() <= clamp, ratio, torch.zeros_like(ratio))
+
+
+def _chain(g, d_ratio):
+    """``g * d_ratio``; a zero ``g`` stays 0 where an unclamped ratio overflows to ``+inf`` (C++ ``Ratio::chain``)."""
+    return torch.where(g == 0, torch.zeros_like(g), g * d_ratio)
 
 
 def _ppo_slope(logp, old, adv, hp):
     """``d pg / d logp`` of ``ppo`` per row. At an exact tie of the max / min the unclipped branch takes the whole
     gradient (autograd would split it; equal where both branches have the same slope)."""
     low, high, dual, delta = (hp[SLOT[name]] for name in ("ratio_low", "ratio_high", "dual_clip", "delta"))
-    _, ratio, d_ratio = _ratio_slope(logp, old)
+    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
     pg1, pg2 = -adv * torch.minimum(ratio, delta), -adv * torch.clamp(ratio, low, high)
     zero = torch.zeros_like(logp)
     unclipped = torch.where(ratio <= delta, -adv, zero)
     in_range = torch.where((ratio >= low) & (ratio <= high), -adv, zero)
     g_ratio = torch.where(pg1 >= pg2, unclipped, in_range)
     g_ratio = torch.where((adv < 0) & (torch.maximum(pg1, pg2) > -adv * dual), zero, g_ratio)  # the dual clip holds
-    return g_ratio * d_ratio
+    return _chain(g_ratio, d_ratio)
 
 
 def _cispo_slope(logp, old, adv, hp):
     """``d pg / d logp`` of ``cispo``: ``-sg(clip(ratio)) * A``."""
-    _, ratio, _ = _ratio_slope(logp, old)
+    _, ratio, _ = _ratio_slope(logp, old, hp)
     return -torch.clamp(ratio, hp[SLOT["ratio_low"]], hp[SLOT["ratio_high"]]) * adv
 
 
 def _clipped_ratio_slope(logp, old, adv, hp):
     """``d pg / d logp`` of ``clipped_ratio``: ``-A * r`` inside the clip range, 0 outside."""
-    _, ratio, d_ratio = _ratio_slope(logp, old)
+    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
     inside = (ratio >= hp[SLOT["ratio_low"]]) & (ratio <= hp[SLOT["ratio_high"]])
-    return torch.where(inside, -adv * d_ratio, torch.zeros_like(ratio))
+    return torch.where(inside, _chain(-adv, d_ratio), torch.zeros_like(ratio))
 
 
 def _sapo_slope(logp, old, adv, hp):
     """``d pg / d logp`` of ``sapo``: ``-A * 4 sigmoid'(tau (r - 1)) * r``."""
-    _, ratio, d_ratio = _ratio_slope(logp, old)
+    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
     tau = torch.where(adv > 0, hp[SLOT["tau_pos"]], hp[SLOT["tau_neg"]])
     s = torch.sigmoid(tau * (ratio - 1))
-    return -adv * 4 * s * (1 - s) * d_ratio
+    return _chain(-adv * 4 * s * (1 - s), d_ratio)
 
 
 def _gpg_slope(logp, old, adv, hp):
@@ -489,7 +613,7 @@ def _gpg_slope(logp, old, adv, hp):
 
 def _dppo_slope(binary_kl: bool):
     def slope(logp, old, adv, hp):
-        _, ratio, _ = _ratio_slope(logp, old)
+        _, ratio, _ = _ratio_slope(logp, old, hp)
         b = Batch(logp, old, adv, hp, torch.ones_like(logp, dtype=torch.bool), None, 1, None)
         valid = _dppo_valid(b, binary_kl).to(logp.dtype)
         return -adv * torch.clamp(ratio, max=hp[SLOT["clip_ratio_c"]]) * valid
@@ -517,7 +641,7 @@ def coefficients(loss_type, estimator: Optional[estimators.Estimator], logp, ref
     g_logp = inputs.w_pg * SLOPES[loss_type](logp, old, inputs.advantages, hp)
     if estimator is None:
         return g_logp, None
-    _, ratio, d_ratio = _ratio_slope(logp, old)
+    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
     corrected = hp[SLOT["kl_ratio"]] != 0
     kl_weight = torch.where(corrected, ratio, torch.ones_like(ratio))
     kl_clamp = hp[SLOT["kl_clamp"]]

@@ -29,11 +29,11 @@ from kltriton.kernels.rows import num_rows
 from kltriton.kernels.stream import triton as stream
 
 SCALE_BLOCK = 4096
-LOG_RATIO_CLAMP = tl.constexpr(constants.LOG_RATIO_CLAMP)
 HP_RATIO_LOW = tl.constexpr(terms.SLOT["ratio_low"])
 HP_RATIO_HIGH = tl.constexpr(terms.SLOT["ratio_high"])
 HP_DUAL_CLIP = tl.constexpr(terms.SLOT["dual_clip"])
 HP_KL_CLAMP = tl.constexpr(terms.SLOT["kl_clamp"])
+HP_LOG_RATIO_CLAMP = tl.constexpr(terms.SLOT["log_ratio_clamp"])
 HP_DELTA = tl.constexpr(terms.SLOT["delta"])
 HP_TAU_POS = tl.constexpr(terms.SLOT["tau_pos"])
 HP_TAU_NEG = tl.constexpr(terms.SLOT["tau_neg"])
@@ -66,10 +66,24 @@ def _scale_kernel(
 
 
 @triton.jit
+def _ratio(d, hp_ptr):
+    """``(r, dr)``: the importance ratio ``exp(clamp(d, -c, c))`` (``c`` the ``log_ratio_clamp`` slot, ``inf``: no
+    clamp) and ``d r / d logp`` (0 beyond the clamp), float64 (C++ ``Ratio``)."""
+    clamp = tl.load(hp_ptr + HP_LOG_RATIO_CLAMP)
+    ratio = tl.exp(tr.clamp(d, -clamp, clamp))
+    return ratio, tl.where(tl.abs(d) <= clamp, ratio, 0.0)
+
+
+@triton.jit
+def _chain(g, d_ratio):
+    """``g * d_ratio``; a zero ``g`` stays 0 where an unclamped ratio overflows to ``+inf``."""
+    return tl.where(g == 0.0, 0.0, g * d_ratio)
+
+
+@triton.jit
 def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     """``d pg / d logp`` (float64) of one row before its weight ``w_pg`` (``terms.SLOPES``; C++ ``pg_slope``)."""
-    ratio = tl.exp(tr.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    d_ratio = tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, ratio, 0.0)
+    ratio, d_ratio = _ratio(d, hp_ptr)
     low = tl.load(hp_ptr + HP_RATIO_LOW)
     high = tl.load(hp_ptr + HP_RATIO_HIGH)
     if LOSS_TYPE == "ppo":  # max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
@@ -79,15 +93,15 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
         g_ratio = tl.where(pg1 >= pg2, tl.where(ratio <= delta, -adv, 0.0),
                            tl.where((ratio >= low) & (ratio <= high), -adv, 0.0))
         held = (adv < 0) & (tl.maximum(pg1, pg2) > -adv * tl.load(hp_ptr + HP_DUAL_CLIP))
-        slope = tl.where(held, 0.0, g_ratio) * d_ratio
+        slope = _chain(tl.where(held, 0.0, g_ratio), d_ratio)
     elif LOSS_TYPE == "cispo":  # -sg(clip(ratio)) * A * logp
         slope = -tr.clamp(ratio, low, high) * adv
     elif LOSS_TYPE == "sapo":  # -A * 4 sigmoid(tau (r - 1)) / tau
         tau = tl.where(adv > 0, tl.load(hp_ptr + HP_TAU_POS), tl.load(hp_ptr + HP_TAU_NEG))
         sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
-        slope = -adv * 4.0 * sig * (1.0 - sig) * d_ratio
+        slope = _chain(-adv * 4.0 * sig * (1.0 - sig), d_ratio)
     elif LOSS_TYPE == "clipped_ratio":  # -clip(r) * A, through the ratio inside the range
-        slope = tl.where((ratio >= low) & (ratio <= high), -adv * d_ratio, 0.0)
+        slope = tl.where((ratio >= low) & (ratio <= high), _chain(-adv, d_ratio), 0.0)
     elif LOSS_TYPE == "gpg":  # -logp * A
         slope = -adv
     elif LOSS_TYPE == "dro":  # -(logp A - beta / 2 (logp - old)^2)
@@ -121,8 +135,7 @@ def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w
     g_logp = tl.load(w_pg_ptr + row).to(tl.float64) * _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE)
     g_full_kl = g_logp * 0.0
     if ESTIMATOR != "":
-        ratio = tl.exp(tr.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        d_ratio = tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, ratio, 0.0)
+        ratio, d_ratio = _ratio(d, hp_ptr)
         corrected = tl.load(hp_ptr + HP_KL_RATIO) != 0.0
         weight = tl.where(corrected, ratio, 1.0)
         w_kl = tl.load(w_kl_ptr + row).to(tl.float64)
