@@ -209,7 +209,10 @@ def _knobs(params: List, device, greedy) -> tuple:
     top_k = [int(p.top_k) for p in params]
     top_p = [float(p.top_p) for p in params]
     min_p = [float(p.min_p) for p in params]
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+
+    def as_tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
     truncation = None
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p):
         truncation = kltriton.Truncation(top_k=as_tensor(top_k, torch.int64), top_p=as_tensor(top_p, torch.float64),
@@ -379,8 +382,12 @@ def _install_v2(patch: Patch) -> None:
             return vllm_call(self, logits, input_batch, *args, **kwargs)
         # one logit row per scheduled token of each request (several with speculative decoding)
         states = np.repeat(input_batch.idx_mapping_np, np.diff(input_batch.cu_num_logits_np))
-        params = [self._kltriton_params[int(i)] for i in states]
-        with _scoring(_Scope("v2", params)):
+        known = self.__dict__.get("_kltriton_params", {})
+        if any(int(i) not in known for i in states):
+            _unreplaced("requests added before the plugin was applied (processed log-probs of their logits as "
+                        "vLLM processed them)")
+            return vllm_call(self, logits, input_batch, *args, **kwargs)
+        with _scoring(_Scope("v2", [known[int(i)] for i in states])):
             return vllm_call(self, logits, input_batch, *args, **kwargs)
 
     def sample(self, *args, **kwargs):

