@@ -291,10 +291,16 @@ def _trainer_logprobs(rows, labels, knobs, processed):
     return kltriton.token_logprobs(rows, labels, temperature=knobs["temperature"], truncation=truncation)
 
 
+def _float32_knobs(knobs):
+    """The knobs as vLLM's float32 tensors hold them."""
+    return {name: float(torch.tensor(value, dtype=torch.float32)) if isinstance(value, float) else value
+            for name, value in knobs.items()}
+
+
 def _compare(prompts, capture, plain, plugged, processed):
     """Every log-prob the plugged run returned against the trainer-side call on the captured logits; returns
-    ``(compared, differing from vLLM's own)``."""
-    compared, vllm_differs = 0, 0
+    ``(compared, differing from vLLM's own, differing from the call with vLLM's float32 knobs)``."""
+    compared, vllm_differs, float32_differs = 0, 0, 0
     for prompt, knobs, before, after in zip(prompts, MIXED, plain, plugged):
         key = tuple(prompt["prompt_token_ids"])
         sample, vllm_sample = after.outputs[0], before.outputs[0]
@@ -309,6 +315,7 @@ def _compare(prompts, capture, plain, plugged, processed):
             assert torch.equal(got, want), (key, column, got, want)
             own = torch.tensor([lp[int(t)].logprob for lp, t in zip(vllm_sample.logprobs, labels)])
             vllm_differs += int((own != want).sum())
+            float32_differs += int((_trainer_logprobs(rows, labels, _float32_knobs(knobs), processed) != want).sum())
             compared += len(labels)
         sampled = torch.tensor(sample.token_ids)  # the trainer's call on the completion
         got = torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)])
@@ -323,7 +330,7 @@ def _compare(prompts, capture, plain, plugged, processed):
                 want = kltriton.token_logprobs(prompt_rows[position].expand(len(ids), -1), ids)  # raw, T = 1
                 assert torch.equal(got, want), (key, position)
                 compared += len(ids)
-    return compared, vllm_differs
+    return compared, vllm_differs, float32_differs
 
 
 def _check_engine(tiny_llama, monkeypatch, logprobs_mode):
@@ -338,24 +345,26 @@ def _check_engine(tiny_llama, monkeypatch, logprobs_mode):
             plugged = llm.generate(prompts, params, use_tqdm=False)
             counts = vllm_plugin.counters()
         processed = logprobs_mode == "processed_logprobs"
-        compared, vllm_differs = _compare(prompts, capture, plain, plugged, processed)
+        compared, vllm_differs, float32_differs = _compare(prompts, capture, plain, plugged, processed)
     finally:
         del llm
         gc.collect()
-    return compared, vllm_differs, counts
+    return compared, vllm_differs, float32_differs, counts
 
 
 def test_processed_logprobs_are_kltriton_bitwise(tiny_llama, monkeypatch):
-    compared, vllm_differs, counts = _check_engine(tiny_llama, monkeypatch, "processed_logprobs")
-    print(f"processed: {compared} log-probs bitwise, {vllm_differs} differ from vLLM's own; {counts}")
+    compared, vllm_differs, float32_differs, counts = _check_engine(tiny_llama, monkeypatch, "processed_logprobs")
+    print(f"processed: {compared} log-probs bitwise, {vllm_differs} differ from vLLM's own, {float32_differs} from "
+          f"the call with float32 knobs; {counts}")
     assert compared > 1500
     assert vllm_differs > 0  # vLLM's own values are not kltriton's: the plugin replaced them
+    assert float32_differs > 0  # 34 measured: the plugin read the request's knobs, not vLLM's float32 copies
     assert counts["checked_rows"] == len(MIXED) * MAX_TOKENS and counts["kept_set_mismatches"] == 0
     assert counts["unreplaced_steps"] == 0
 
 
 def test_raw_logprobs_are_kltriton_bitwise(tiny_llama, monkeypatch):
-    compared, vllm_differs, counts = _check_engine(tiny_llama, monkeypatch, "raw_logprobs")
+    compared, vllm_differs, _, counts = _check_engine(tiny_llama, monkeypatch, "raw_logprobs")
     print(f"raw: {compared} log-probs bitwise, {vllm_differs} differ from vLLM's own; {counts}")
     assert compared > 1500
     assert vllm_differs > 0
