@@ -2,15 +2,14 @@
 straight from the logits.
 
 ``kltriton.route.loss_route`` picks the route. Fused (a loss whose derivative w.r.t. a row's log-prob depends on
-that row alone, ``terms.FUSED``, at the token level): the ``loss`` family as a custom op (``kltriton.ops.loss``)
-computes every row's statistics and writes the loss's gradient w.r.t. the logits (or a ``LinearLogits``
-policy's hidden states / weight / bias) in the forward; the C++ and Triton kernels read each row from memory
-once for both, and the backward only applies the upstream gradient. With ``token_mask_entropy_quantile`` the
-fused route takes two passes (``kltriton.kernels.loss.masked``): the fused kernel without the masked terms,
-the batch quantile of the entropies, then the masked terms' gradient added on the kept rows only.
-Two-pass (sequence-level ratios and weights, batch selections, on-policy rollout importance sampling,
-vocab-parallel logits): the differentiable statistics, the formulas of ``kltriton.kernels.loss.terms`` in
-PyTorch, and autograd (the logits are read again in the backward).
+that row alone, ``terms.FUSED``, at the token level): the ``loss`` op (``kltriton.ops.loss``) computes every row's
+statistics and writes the loss's gradient w.r.t. the logits (or a ``LinearLogits`` policy's hidden states / weight /
+bias) in the forward; the C++ and Triton kernels read each row from memory once for both, and the backward only
+applies the upstream gradient. With ``token_mask_entropy_quantile`` the fused route takes two passes
+(``kltriton.kernels.loss.masked``). Two-pass (sequence-level ratios and weights, batch selections, on-policy rollout
+importance sampling, vocab-parallel logits, a truncation): the differentiable statistics, the formulas of
+``kltriton.kernels.loss.terms`` in PyTorch, and autograd (the logits are read again in the backward). The ``[N]``
+arithmetic around the formulas (aggregation and importance weights, metrics) is ``kernels.loss.weights``.
 """
 from typing import NamedTuple, Optional
 
@@ -18,12 +17,11 @@ import torch
 
 from kltriton import estimators, route
 from kltriton._inputs import check_float, runtime_scalar
-from kltriton.front_door import enter, local_rows
+from kltriton.front_door import Call, enter, local_rows
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
-from kltriton.kernels.loss import LossInputs, terms
+from kltriton.kernels.loss import LossInputs, terms, weights
+from kltriton.kernels.loss.weights import AGGREGATIONS, IS_MODES, Sequences
 
-AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
 
 
@@ -31,44 +29,128 @@ class PolicyLossOutput(NamedTuple):
     loss: torch.Tensor          # [] the loss (differentiable w.r.t. the policy logits)
     logprobs: torch.Tensor      # S fp32 (detached)
     ref_logprobs: torch.Tensor  # S fp32, 0 without a reference
-    kl: torch.Tensor            # S fp32, the KL term (times the ratio with use_bias_correction_kl), 0 without a reference
+    kl: torch.Tensor            # S fp32, the KL term (times the ratio with use_bias_correction_kl), 0 without ref
     entropy: torch.Tensor       # S fp32 (0 with compute_entropy=False)
     ratio: torch.Tensor         # S fp32, the importance ratio (per sequence for sequence-level losses)
     metrics: dict               # name -> 0-dim fp32 tensor
 
 
-# --- argument checks ---------------------------------------------------------------------------
+# --- the options, checked -----------------------------------------------------------------------
 
-def _check_per_token(name, tensor, shape, device, allow_none=True):
+class _Loss(NamedTuple):
+    """What the loss computes, once its options are checked."""
+    formula: str                       # a key of terms.FORMULAS (bypass_mode resolved)
+    level: str                         # "token" / "sequence" importance sampling
+    settings: terms.Settings           # the loss type's defaults and the keywords that override them
+    hp: torch.Tensor                   # float64 hyperparameter vector (terms.hyperparameters)
+    estimator: Optional[estimators.Estimator]
+    kl_coef: float
+    entropy_coef: float
+    compute_entropy: bool
+    quantile: Optional[float]          # TRL's entropy mask
+    all_sequences: bool                # seq-mean over every sequence, empty ones too (TRL's .mean())
+
+
+class _Sampling(NamedTuple):
+    """Where the samples came from: the old and rollout log-probs, rollout importance sampling, the off-policy mask."""
+    old: Optional[torch.Tensor]        # the argument as given (bypass_mode: the rollout's)
+    rollout: Optional[torch.Tensor]
+    is_mode: Optional[str]
+    is_cap: Optional[float]
+    is_min: Optional[float]
+    off_policy: Optional[float]
+
+
+def _check_choice(name, value, choices, allow_none=True):
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, clip, kl, entropy) -> _Loss:
+    """The checked ``_Loss``: ``settings_given`` the keywords ``terms.settings`` resolves, ``clip`` = ``(clip_low,
+    clip_high)``, ``kl`` = ``(kl_coef, kl_estimator, kl_clamp, use_bias_correction_kl)``, ``entropy`` =
+    ``(entropy_coef, compute_entropy, token_mask_entropy_quantile)``."""
+    spec = terms.loss_type_of(loss_type)
+    settings = terms.settings(loss_type, loss_parameters, **settings_given)
+    _check_choice("aggregation", settings.aggregation, AGGREGATIONS)
+    _check_choice("importance_sampling_level", level, IS_LEVELS, allow_none=False)
+    if level == "sequence" and not spec.sequence_level:
+        raise ValueError(f"importance_sampling_level='sequence' applies to the loss types with a TRL counterpart "
+                         f"({tuple(k for k, v in terms.LOSS_TYPES.items() if v.sequence_level)}), not {loss_type!r}")
+    clip_low = check_float("clip_low", clip[0], at_least=0.0)
+    # CISPO's upper bound may lie below 1: TRL caps the ratio at epsilon_high itself (clip_high = epsilon_high - 1)
+    clip_high = clip_low if clip[1] is None else check_float(
+        "clip_high", clip[1], **({"above": -1.0} if spec.formula == "cispo" else {"at_least": 0.0}))
+    kl_coef, kl_estimator, kl_clamp, bias_correction = kl
+    kl_coef = check_float("kl_coef", kl_coef)
+    kl_clamp = estimators.check_kl_clamp(kl_clamp)
+    has_ref = call.ref is not None or call.ref_logprobs is not None
+    if not has_ref and kl_coef != 0.0:
+        raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
+    estimator = estimators.parse(kl_estimator, ref_logits=call.ref is not None, argument="kl_estimator") \
+        if has_ref else None
+    entropy_coef, compute_entropy, quantile = entropy
+    entropy_coef = check_float("entropy_coef", entropy_coef)
+    quantile = check_float("token_mask_entropy_quantile", quantile, at_least=0.0, allow_none=True)
+    if quantile is not None and quantile > 1.0:
+        raise ValueError(f"token_mask_entropy_quantile must be in [0, 1], got {quantile}")
+    if not compute_entropy and (entropy_coef != 0.0 or quantile is not None):
+        raise ValueError("compute_entropy=False leaves no entropy for entropy_coef or token_mask_entropy_quantile")
+    scalar = lambda value: None if value is None else runtime_scalar(value, call.device)  # noqa: E731
+    hp = terms.hyperparameters(call.device, ratio_low=scalar(1.0 - clip_low), ratio_high=scalar(1.0 + clip_high),
+                               dual_clip=scalar(settings.dual_clip), log_ratio_clamp=scalar(settings.log_ratio_clamp),
+                               kl_clamp=scalar(kl_clamp), kl_ratio=scalar(float(bool(bias_correction))),
+                               **{name: scalar(value) for name, value in settings.parameters.items()
+                                  if isinstance(value, float)})
+    return _Loss(spec.formula, level, settings, hp, estimator, kl_coef, entropy_coef, bool(compute_entropy), quantile,
+                 spec.all_sequences)
+
+
+def _sampling(loss: _Loss, old, rollout, is_mode, is_cap, is_min, off_policy) -> tuple:
+    """``(loss, _Sampling)`` checked; verl's ``bypass_mode`` resolved (the old policy is the rollout's: PPO on that
+    ratio, or REINFORCE with on-policy IS weights)."""
+    _check_choice("is_mode", is_mode, IS_MODES)
+    if is_mode is not None and rollout is None:
+        raise ValueError(f"is_mode={is_mode!r} needs rollout_logprobs")
+    is_cap = check_float("is_cap", is_cap, above=0.0, allow_none=True)
+    is_min = check_float("is_min", is_min, at_least=0.0, allow_none=True)
+    if is_mode is not None and is_mode.endswith("truncate") and is_cap is None and is_min is None:
+        raise ValueError(f"is_mode={is_mode!r} needs is_cap or is_min")
+    off_policy = check_float("off_policy_mask_threshold", off_policy, allow_none=True)
+    if loss.formula == "bypass_mode":
+        if rollout is None:
+            raise ValueError("loss_type='bypass_mode' needs rollout_logprobs (the old policy is the rollout's)")
+        if old is not None:
+            raise ValueError("loss_type='bypass_mode' takes rollout_logprobs as the old log-probs; leave "
+                             "old_logprobs None")
+        if loss.settings.parameters["bypass_loss_type"] == "ppo_clip":
+            return loss._replace(formula="ppo"), _Sampling(rollout, None, None, is_cap, is_min, off_policy)
+        loss = loss._replace(formula="gpg")
+    return loss, _Sampling(old, rollout, is_mode, is_cap, is_min, off_policy)
+
+
+def _per_position(name, tensor, call: Call, acc, per_sequence: bool = False):
+    """``[N]`` in ``acc`` from a floating tensor of the leading shape ``S`` (a DTensor: its local rows); with
+    ``per_sequence``, also ``[num_seqs]`` or ``[B, 1]`` for ``S = [B, T]`` (TRL's sequence-level shape). None stays
+    None."""
     tensor = local_rows(tensor, name)
     if tensor is None:
-        if allow_none:
-            return None
-        raise TypeError(f"{name} is required")
+        return None
+    shape, layout = call.layout.shape, call.layout
+    expected = f"S = {tuple(shape)}" + (f" or [num_seqs] = [{layout.num_seqs}]" if per_sequence else "")
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating tensor of shape {tuple(shape)}")
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading shape), got {tuple(tensor.shape)}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
-    return tensor.detach().reshape(-1)
-
-
-def _per_token_or_sequence(name, tensor, shape, device, num_seqs, seq_index, acc):
-    """``[N]`` from a tensor of shape ``S``, ``[num_seqs]``, or ``[B, 1]`` for ``S = [B, T]`` (TRL's sequence-level
-    shape)."""
-    tensor = local_rows(tensor, name)
-    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating tensor of shape S or [num_seqs]")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
+        raise TypeError(f"{name} must be a floating tensor of shape {expected}")
+    if tensor.device != call.device:
+        raise ValueError(f"{name} is on {tensor.device} but logits are on {call.device}")
     if tuple(tensor.shape) == tuple(shape):
         return tensor.detach().reshape(-1).to(acc)
-    if tensor.dim() == 1 and tensor.shape[0] == num_seqs:
-        return tensor.detach().to(acc)[seq_index]
-    if len(shape) == 2 and tuple(tensor.shape) == (shape[0], 1):
+    if per_sequence and tensor.dim() == 1 and tensor.shape[0] == layout.num_seqs:
+        return tensor.detach().to(acc)[layout.seq_index]
+    if per_sequence and len(shape) == 2 and tuple(tensor.shape) == (shape[0], 1):
         return tensor.detach().expand(shape).reshape(-1).to(acc)
-    raise ValueError(f"{name} must have shape {tuple(shape)} or [num_seqs] = [{num_seqs}], got {tuple(tensor.shape)}")
+    raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
 
 
 def _denominator(name, value, device):
@@ -83,121 +165,191 @@ def _denominator(name, value, device):
     return runtime_scalar(check_float(name, value, above=0.0), device)
 
 
-# --- sequence-level weights ---------------------------------------------------------------------
-
-def _aggregation_weights(aggregation, scored, seq_index, num_seqs, horizon, dtype, num_tokens=None, num_seqs_agg=None):
-    """``[N]`` weights with ``agg(x) = sum_n w[n] * x[n]`` (verl ``agg_loss``): ``num_tokens`` / ``num_seqs_agg``
-    replace the token-mean / seq-mean denominators (verl's ``batch_num_tokens`` / ``global_batch_size``)."""
-    valid = scored.to(dtype)
-    if aggregation == "token-sum":
-        return valid
-    if aggregation == "token-mean":
-        return valid / (valid.sum().clamp(min=1) if num_tokens is None else num_tokens.to(dtype))
-    counts = torch.zeros(num_seqs, dtype=dtype, device=valid.device).index_add_(0, seq_index, valid)
-    sequences = (counts > 0).to(dtype).sum().clamp(min=1) if num_seqs_agg is None else num_seqs_agg.to(dtype)
-    if aggregation == "seq-mean-token-mean":
-        return valid / counts.clamp(min=1)[seq_index] / sequences
-    weights = valid / sequences
-    return weights / horizon if aggregation == "seq-mean-token-sum-norm" else weights
+def _sequences(call: Call, loss: _Loss, cu_seqlens, batch_num_tokens, global_batch_size) -> Sequences:
+    layout, device = call.layout, call.device
+    num_seqs_agg = _denominator("global_batch_size", global_batch_size, device)
+    if num_seqs_agg is None and loss.all_sequences:  # TRL's .mean() over the sequences, empty ones included
+        num_seqs_agg = runtime_scalar(max(layout.num_seqs, 1), device)
+    horizon = check_float("horizon", loss.settings.horizon, above=0.0, allow_none=True)
+    horizon = runtime_scalar(horizon, device) if horizon is not None else weights.default_horizon(
+        layout.shape, cu_seqlens, device)
+    return Sequences(layout.seq_index, layout.num_seqs, horizon,
+                     _denominator("batch_num_tokens", batch_num_tokens, device), num_seqs_agg)
 
 
-def _default_horizon(layout, cu_seqlens, n, device):
-    """The padded length: ``T`` of ``[B, T]``, the longest packed segment, or ``N`` for one flat sequence."""
-    if len(layout.shape) >= 2:
-        return runtime_scalar(layout.shape[-1], device)
-    if cu_seqlens is not None and cu_seqlens.numel() > 1:
-        return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64)
-    return runtime_scalar(max(n, 1), device)
+# --- the two routes -----------------------------------------------------------------------------
+
+class _Aggregations(NamedTuple):
+    """The terms' aggregation modes, and how they weigh the rows."""
+    every: str                     # every term's (``aggregation``)
+    pg: Optional[str]              # the policy term's own (verl's sapo / geo_mean), else ``every``
+    entropy: Optional[str]         # the entropy bonus's over the local tokens (TRL), else the policy term's
+    geo_mean: bool                 # geo_mean's policy term: seq-mean over the local sequences (verl's torch.mean)
+
+    def weights(self, rows, sequences: Sequences, dtype):
+        """``(every, pg)``: the ``[N]`` weights of every term and of the policy term over ``rows``."""
+        every = weights.aggregation_weights(self.every, rows, sequences, dtype)
+        if self.pg is None:
+            return every, every
+        pg_sequences = sequences._replace(num_seqs_agg=runtime_scalar(max(sequences.num_seqs, 1),
+                                                                      rows.device)) if self.geo_mean else sequences
+        return every, weights.aggregation_weights(self.pg, rows, pg_sequences, dtype)
+
+    def entropy_weights(self, scored, keep, sequences: Sequences, dtype):
+        """The entropy bonus's ``[N]`` weights, over the kept rows with the entropy mask (TRL)."""
+        if self.entropy is None:
+            return weights.aggregation_weights(self.every, scored if keep is None else keep, sequences, dtype)
+        return weights.aggregation_weights(self.entropy, scored if keep is None else keep, sequences, dtype,
+                                           own_denominators=False)
 
 
-def _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs):
-    """``(weights, masked, log_ratio)`` of rollout importance sampling (TRL's vLLM correction): the ratio
-    ``exp(old - rollout)`` per token or per sequence, clamped to ``[is_min, is_cap]`` or zeroed outside it."""
-    diff = torch.where(scored & ~torch.isnan(old - rollout), old - rollout, torch.zeros_like(old))
-    log_w = diff
-    if is_mode is not None and is_mode.startswith("sequence"):
-        per_seq = torch.zeros(num_seqs, dtype=diff.dtype, device=diff.device).index_add_(0, seq_index, diff)
-        log_w = per_seq[seq_index]
-    w = torch.exp(log_w)
-    high = float("inf") if is_cap is None else is_cap
-    low = float("-inf") if is_min is None else is_min
-    outside = ((w > high) | (w < low)) & scored
-    if is_mode is None:
-        weights = torch.ones_like(w)
-    elif is_mode.endswith("truncate"):
-        weights = torch.clamp(w, min=is_min, max=is_cap)
+class _Rows(NamedTuple):
+    """The ``[N]`` inputs of the loss."""
+    adv: torch.Tensor
+    old: Optional[torch.Tensor]
+    ref_logp: Optional[torch.Tensor]   # given reference log-probs (0 where not scored)
+    scored: torch.Tensor               # bool
+    pg_weight: torch.Tensor            # the policy term's factor known before the logits are read
+    log_is: Optional[torch.Tensor]     # VESPO's log IS weights
+
+
+class _Result(NamedTuple):
+    stats: statistics.StreamStats
+    scored: torch.Tensor               # the rows in the loss (a truncation drops the labels outside its kept set)
+    outside: Optional[torch.Tensor]    # those dropped rows
+    pg_weight: torch.Tensor
+    keep: Optional[torch.Tensor]       # TRL's entropy mask
+    threshold: Optional[torch.Tensor]
+    importance: Optional[weights.ImportanceWeights]
+    loss: Optional[torch.Tensor]       # the fused route's loss (None: the formulas give it)
+
+
+def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregations, sequences, acc) -> _Result:
+    """The ``loss`` op: statistics, loss and gradient in one forward."""
+    pg_weight, importance = rows.pg_weight, None
+    if sampling.rollout is not None:
+        importance = weights.importance_weights(rows.old, sampling.rollout, sampling.is_mode, sampling.is_cap,
+                                                sampling.is_min, rows.scored, sequences)
+        pg_weight = pg_weight * importance.weights
+    agg_w, agg_pg = aggregations.weights(rows.scored, sequences, acc)
+    w_ent = aggregations.entropy_weights(rows.scored, None, sequences, acc) * runtime_scalar(-loss.entropy_coef,
+                                                                                               call.device).to(acc)
+    w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
+    inputs = LossInputs(rows.old, rows.adv, agg_pg * pg_weight, w_kl, w_ent, rows.ref_logp)
+    value, stats, threshold = route.fused_loss(call, inputs, loss.hp, loss.formula,
+                                               loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
+                                               with_entropy=loss.compute_entropy, entropy_quantile=loss.quantile)
+    keep = None if loss.quantile is None else rows.scored & (stats.entropy >= threshold)
+    pg_weight = pg_weight if keep is None else pg_weight * keep.to(acc)
+    return _Result(stats, rows.scored, None, pg_weight, keep, threshold, importance, value)
+
+
+def _two_pass(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, sequences, acc) -> _Result:
+    """The differentiable statistics; the weights that need the new log-probs; the formulas and autograd later."""
+    full = loss.estimator is not None and loss.estimator.needs_ref_logits
+    scored, outside = rows.scored, None
+    if call.truncation is not None:
+        if full:
+            raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a "
+                             "truncation")
+        stats = route.statistics(call, statistics.request(entropy=True))
+        if call.ref is not None:
+            ref = route.reference_statistics(call, statistics.request())
+            stats = stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
+        outside = (call.layout.target >= 0) & (stats.logp == float("-inf"))
+        scored = scored & ~outside
     else:
-        weights = torch.where((w > high) | (w < low), torch.zeros_like(w), w)
-    return weights, outside, diff
+        stats = route.statistics(call, statistics.request(entropy=loss.compute_entropy, ref=call.ref is not None,
+                                                          full_kl=full))
+    logp, pg_weight, importance, keep, threshold = stats.logp, rows.pg_weight, None, None, None
+    if sampling.rollout is not None:
+        importance = weights.importance_weights(logp.detach() if rows.old is None else rows.old, sampling.rollout,
+                                                sampling.is_mode, sampling.is_cap, sampling.is_min, scored, sequences)
+        pg_weight = pg_weight * importance.weights
+    if sampling.off_policy is not None:
+        behaviour = sampling.rollout if sampling.rollout is not None else (
+            logp.detach() if rows.old is None else rows.old)
+        pg_weight = pg_weight * weights.off_policy_keep(rows.adv, logp, behaviour, sampling.off_policy, scored,
+                                                        sequences).to(acc)
+    if loss.quantile is not None:
+        keep, threshold = terms.entropy_keep(stats.entropy.detach(), scored, loss.quantile)
+        pg_weight = pg_weight * keep.to(acc)
+    return _Result(stats, scored, outside, pg_weight, keep, threshold, importance, None)
 
 
-def _off_policy_keep(adv, logp, sampling, threshold, scored, seq_index, num_seqs):
-    """TRL's off-policy sequence mask (DeepSeek-V3.2): keep a token when its advantage is ``>= 0`` or its sequence's
-    mean ``sampling - logp`` (NaN counted as 0) is at most ``threshold``."""
-    kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
-    zeros = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device)
-    total = zeros.index_add(0, seq_index, torch.where(scored, kl, torch.zeros_like(kl)))
-    count = zeros.index_add(0, seq_index, scored.to(kl.dtype)).clamp(min=1)
-    return (adv >= 0) | ((total / count)[seq_index] <= threshold)
+def _rows(call: Call, loss: _Loss, sampling: _Sampling, advantages, rollout_is_weights, acc) -> _Rows:
+    """The loss's ``[N]`` inputs, checked (DTensors: their local rows)."""
+    adv = _per_position("advantages", advantages, call, acc, per_sequence=True)
+    if adv is None:
+        raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
+    scored = call.layout.target != SKIP
+    given_is = _per_position("rollout_is_weights", rollout_is_weights, call, acc, per_sequence=True)
+    pg_weight, log_is = torch.ones_like(adv), None
+    if given_is is not None:  # VESPO reads them inside its sequence weight; geo_mean as their geometric mean
+        if loss.formula == "vespo":
+            log_is = torch.log(given_is)
+        elif loss.formula == "geo_mean":
+            pg_weight = weights.geometric_mean_per_sequence(given_is, scored, _sequences_of(call))
+        else:
+            pg_weight = given_is
+    ref_logp = None if call.ref_logprobs is None else call.ref_logprobs.to(acc)
+    if ref_logp is not None:  # like every per-token output: 0 where not scored
+        ref_logp = torch.where(scored, ref_logp, torch.zeros_like(ref_logp))
+    return _Rows(adv, _per_position("old_logprobs", sampling.old, call, acc), ref_logp, scored, pg_weight, log_is)
 
 
-def _geometric_mean_per_sequence(weights, scored, seq_index, num_seqs):
-    """verl geo_mean's reading of token IS weights: ``exp(mean over the sequence of log(w + 1e-10))``."""
-    logs = torch.where(scored, torch.log(weights + 1e-10), torch.zeros_like(weights))
-    zeros = torch.zeros(num_seqs, dtype=weights.dtype, device=weights.device)
-    count = zeros.index_add(0, seq_index, scored.to(weights.dtype)).clamp(min=1)
-    return torch.exp(zeros.index_add(0, seq_index, logs) / count)[seq_index]
+def _sequences_of(call: Call) -> Sequences:
+    """The rows' sequences alone (geo_mean's per-sequence mean needs no denominators)."""
+    zero = torch.zeros((), dtype=torch.float64, device=call.device)
+    return Sequences(call.layout.seq_index, call.layout.num_seqs, zero, None, None)
 
 
-# --- metrics ------------------------------------------------------------------------------------
+# --- the output ---------------------------------------------------------------------------------
 
-def _masked_mean(values, scored, count):
-    return torch.where(scored, values, torch.zeros_like(values)).sum() / count
-
-
-def _masked_extreme(values, scored, reduce, neutral):
-    """``reduce`` (``amax`` / ``amin``) over the scored entries; ``neutral`` where there are none (an empty
-    batch included: a reduction of zero elements has no value)."""
-    fill = torch.full((1,), neutral, dtype=values.dtype, device=values.device)
-    return reduce(torch.cat([torch.where(scored, values, fill), fill]))
-
-
-def _metrics(token, scored, entropy, is_info, parts, extra):
-    count = scored.float().sum().clamp(min=1)
-    any_scored = scored.any()
-    zero = torch.zeros((), dtype=torch.float32, device=scored.device)
-    ratio = token.ratio.float()
-    log_ratio = token.log_ratio.float()
-    metrics = {
-        "clipfrac": _masked_mean(token.clipped.float(), scored, count),
-        "clipfrac_lower": _masked_mean(token.clipped_lower.float(), scored, count),
-        "ppo_kl": _masked_mean(-log_ratio, scored, count),
-        "kl_mean": _masked_mean(token.kl.float().detach(), scored, count),
-        "entropy_mean": _masked_mean(entropy.float().detach(), scored, count),
-        "ratio_max": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amax, float("-inf")), zero),
-        "ratio_min": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amin, float("inf")), zero),
-    }
-    if is_info is not None:
-        weights, over, diff = is_info
-        metrics["is_weight_mean"] = _masked_mean(weights.float(), scored, count)
-        metrics["is_masked_frac"] = _masked_mean(over.float(), scored, count)
-        metrics["mismatch_k3"] = _masked_mean((torch.expm1(diff) - diff).float(), scored, count)
-    metrics.update({name: value.float() for name, value in parts.items()})
-    metrics.update(extra)
-    return {k: v.detach() for k, v in metrics.items()}
-
-
-def _truncated_stats(call, full):
-    """``(StreamStats, outside)`` of the two-pass route with a truncated policy: its ``logp`` / ``entropy`` of the
-    truncated distribution, the reference's log-probs by their own pass (no gradient); ``outside [N]``: the scored
-    positions whose label is outside the kept set."""
-    if full:
-        raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a truncation")
-    stats = route.statistics(call, statistics.request(entropy=True))
-    if call.ref is not None:
-        ref = route.reference_statistics(call, statistics.request())
-        stats = stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
-    return stats, (call.layout.target >= 0) & (stats.logp == float("-inf"))
+def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations, sequences, per_sequence_adv, acc):
+    """The per-token terms, the loss (two-pass: from the formulas), the metrics and the outputs."""
+    stats, scored, outside = result.stats, result.scored, result.outside
+    logp = stats.logp
+    entropy = stats.entropy if loss.compute_entropy else torch.zeros_like(logp)
+    agg_w, agg_pg = aggregations.weights(scored, sequences, acc)
+    ent_agg = aggregations.entropy_weights(scored, result.keep, sequences, acc)
+    w_pg = agg_pg * result.pg_weight
+    w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
+    ref_logp = stats.ref_logp if call.ref is not None else (
+        rows.ref_logp if rows.ref_logp is not None else torch.zeros_like(logp))
+    reported_logp = logp
+    if outside is not None:  # dropped positions: finite stand-ins (weight 0, no gradient) so no term is NaN
+        stand_in = rows.old if rows.old is not None else torch.zeros_like(logp)
+        logp = torch.where(outside, stand_in.to(logp.dtype), logp)
+        ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
+    full = loss.estimator is not None and loss.estimator.needs_ref_logits
+    token = terms.token_terms(loss.formula, loss.estimator, logp, ref_logp, stats.full_kl if full else None, rows.old,
+                              rows.adv, loss.hp, scored, sequences.seq_index, sequences.num_seqs, level=loss.level,
+                              log_is=rows.log_is)
+    if outside is not None:
+        zero = torch.zeros_like(token.ratio)
+        token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
+    value = result.loss
+    if value is None:
+        w_ent = ent_agg * runtime_scalar(-loss.entropy_coef, call.device).to(acc)
+        value = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
+    extra = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
+             "entropy_loss": (ent_agg * entropy).sum()}
+    if loss.quantile is not None:
+        extra["entropy_threshold"] = result.threshold.float().reshape(())
+    if token.seq_weight is not None:  # TRL's vespo/phi_seq_mean: over the sequences with per-sequence advantages
+        if per_sequence_adv:  # phi is the same on every row of a sequence (1 for a sequence without rows)
+            phi = token.seq_weight.new_ones(sequences.num_seqs).scatter(0, sequences.seq_index, token.seq_weight)
+            extra["vespo_phi_mean"] = phi.float().mean() if sequences.num_seqs else phi.float().sum()
+        else:
+            extra["vespo_phi_mean"] = weights.masked_mean(token.seq_weight.float(), scored,
+                                                          scored.float().sum().clamp(min=1))
+    if outside is not None:
+        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
+    metrics = weights.metrics(token, scored, entropy, result.importance, extra)
+    view = lambda t: t.detach().float().view(call.layout.shape)  # noqa: E731
+    return PolicyLossOutput(value, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
+                            view(token.ratio), metrics)
 
 
 # --- public function ----------------------------------------------------------------------------
@@ -327,209 +479,26 @@ def policy_loss(
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
                  vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
-    device, shape, layout = call.device, call.layout.shape, call.layout
-    spec = terms.loss_type_of(loss_type)
-    aggregation, dual_clip, log_ratio_clamp, horizon, params = terms.settings(  # None: the loss type's default
-        loss_type, loss_parameters, aggregation=aggregation, dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp,
-        horizon=horizon)
-    for name, value in (("aggregation", aggregation), ("entropy_aggregation", entropy_aggregation),
-                        ("pg_aggregation", pg_aggregation)):
-        if value is not None and value not in AGGREGATIONS:
-            raise ValueError(f"{name} must be one of {AGGREGATIONS}, got {value!r}")
-    if is_mode is not None and is_mode not in IS_MODES:
-        raise ValueError(f"is_mode must be one of {IS_MODES} or None, got {is_mode!r}")
-    if is_mode is not None and rollout_logprobs is None:
-        raise ValueError(f"is_mode={is_mode!r} needs rollout_logprobs")
-    if importance_sampling_level not in IS_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {importance_sampling_level!r}")
-    sequence_level = importance_sampling_level == "sequence"
-    if sequence_level and not spec.sequence_level:
-        raise ValueError(f"importance_sampling_level='sequence' applies to the loss types with a TRL counterpart "
-                         f"({tuple(k for k, v in terms.LOSS_TYPES.items() if v.sequence_level)}), not {loss_type!r}")
-    formula = spec.formula
-    clip_low = check_float("clip_low", clip_low, at_least=0.0)
-    # CISPO's upper bound may lie below 1: TRL caps the ratio at epsilon_high itself (clip_high = epsilon_high - 1)
-    clip_high = clip_low if clip_high is None else check_float(
-        "clip_high", clip_high, **({"above": -1.0} if formula == "cispo" else {"at_least": 0.0}))
-    kl_coef = check_float("kl_coef", kl_coef)
-    entropy_coef = check_float("entropy_coef", entropy_coef)
-    kl_clamp = estimators.check_kl_clamp(kl_clamp)
-    is_cap = check_float("is_cap", is_cap, above=0.0, allow_none=True)
-    is_min = check_float("is_min", is_min, at_least=0.0, allow_none=True)
-    if is_mode is not None and is_mode.endswith("truncate") and is_cap is None and is_min is None:
-        raise ValueError(f"is_mode={is_mode!r} needs is_cap or is_min")
-    horizon = check_float("horizon", horizon, above=0.0, allow_none=True)
-    quantile = check_float("token_mask_entropy_quantile", token_mask_entropy_quantile, at_least=0.0,
-                           allow_none=True)
-    if quantile is not None and quantile > 1.0:
-        raise ValueError(f"token_mask_entropy_quantile must be in [0, 1], got {quantile}")
-    off_policy = check_float("off_policy_mask_threshold", off_policy_mask_threshold, allow_none=True)
-    if not compute_entropy and (entropy_coef != 0.0 or quantile is not None):
-        raise ValueError("compute_entropy=False leaves no entropy for entropy_coef or token_mask_entropy_quantile")
-    num_tokens = _denominator("batch_num_tokens", batch_num_tokens, device)
-    num_seqs_agg = _denominator("global_batch_size", global_batch_size, device)
-
-    # verl's bypass mode: the old policy is the rollout's; PPO on that ratio, or REINFORCE with on-policy IS weights
-    if formula == "bypass_mode":
-        if rollout_logprobs is None:
-            raise ValueError("loss_type='bypass_mode' needs rollout_logprobs (the old policy is the rollout's)")
-        if old_logprobs is not None:
-            raise ValueError("loss_type='bypass_mode' takes rollout_logprobs as the old log-probs; leave "
-                             "old_logprobs None")
-        if params["bypass_loss_type"] == "ppo_clip":
-            formula, old_logprobs, rollout_logprobs, is_mode = "ppo", rollout_logprobs, None, None
-        else:
-            formula = "gpg"
-
-    with_ref_logits = call.ref is not None
-    if ref is None and kl_coef != 0.0:
-        raise ValueError("kl_coef != 0 needs ref (reference logits or log-probs)")
-    estimator = estimators.parse(kl_estimator, ref_logits=with_ref_logits, argument="kl_estimator") \
-        if ref is not None else None
-    estimator_name = estimator.name if estimator is not None else ""
-    target, seq_index, num_seqs = layout.target, layout.seq_index, layout.num_seqs
-    n = target.numel()
+    loss = _loss(call, loss_type, loss_parameters, dict(aggregation=aggregation, dual_clip=dual_clip,
+                                                        log_ratio_clamp=log_ratio_clamp, horizon=horizon),
+                 importance_sampling_level, (clip_low, clip_high),
+                 (kl_coef, kl_estimator, kl_clamp, use_bias_correction_kl),
+                 (entropy_coef, compute_entropy, token_mask_entropy_quantile))
+    _check_choice("entropy_aggregation", entropy_aggregation, AGGREGATIONS)
+    _check_choice("pg_aggregation", pg_aggregation, AGGREGATIONS)
+    aggregations = _Aggregations(loss.settings.aggregation, pg_aggregation, entropy_aggregation,
+                                 loss.formula == "geo_mean")
+    loss, sampling = _sampling(loss, old_logprobs, rollout_logprobs, is_mode, is_cap, is_min,
+                               off_policy_mask_threshold)
     acc = accumulation_dtype(call.dtype)
-
-    if not isinstance(advantages, torch.Tensor) or not advantages.dtype.is_floating_point:
-        raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
-    per_sequence_advantages = tuple(local_rows(advantages, "advantages").shape) != tuple(shape)
-    adv = _per_token_or_sequence("advantages", advantages, shape, device, num_seqs, seq_index, acc)
-    old = _check_per_token("old_logprobs", old_logprobs, shape, device)
-    old = None if old is None else old.to(acc)
-    rollout = _check_per_token("rollout_logprobs", rollout_logprobs, shape, device)
-    rollout = None if rollout is None else rollout.to(acc)
-    given_is = None if rollout_is_weights is None else _per_token_or_sequence(
-        "rollout_is_weights", rollout_is_weights, shape, device, num_seqs, seq_index, acc)
-    ref_logp_given = None if call.ref_logprobs is None else call.ref_logprobs.to(acc)
-
-    scored = target != SKIP
-    if num_seqs_agg is None and spec.all_sequences:  # TRL's .mean() over the sequences, empty ones included
-        num_seqs_agg = runtime_scalar(max(num_seqs, 1), device)
-    if ref_logp_given is not None:  # like every per-token output: 0 where not scored
-        ref_logp_given = torch.where(scored, ref_logp_given, torch.zeros_like(ref_logp_given))
-    horizon_t = runtime_scalar(horizon, device) if horizon is not None else _default_horizon(layout, cu_seqlens, n, device)
-
-    def aggregation_weights(rows):
-        """``(agg_w, agg_pg)``: every term's ``[N]`` aggregation weights over ``rows``, and the policy term's."""
-        every = _aggregation_weights(aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
-                                     num_seqs_agg)
-        if pg_aggregation is None:
-            return every, every
-        return every, _aggregation_weights(pg_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc,
-                                           num_tokens, runtime_scalar(max(num_seqs, 1), device)
-                                           if formula == "geo_mean" else num_seqs_agg)
-
-    agg_w, agg_pg = aggregation_weights(scored)
-    hp = terms.hyperparameters(device, ratio_low=runtime_scalar(1.0 - clip_low, device),
-                               ratio_high=runtime_scalar(1.0 + clip_high, device),
-                               dual_clip=None if dual_clip is None else runtime_scalar(dual_clip, device),
-                               log_ratio_clamp=runtime_scalar(log_ratio_clamp, device),
-                               kl_clamp=None if kl_clamp is None else runtime_scalar(kl_clamp, device),
-                               kl_ratio=runtime_scalar(float(bool(use_bias_correction_kl)), device),
-                               **{name: runtime_scalar(value, device) for name, value in params.items()
-                                  if isinstance(value, float)})
-    w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
-    full = estimator is not None and estimator.needs_ref_logits
-
-    # Per-row policy-term weights known before the logits are read: the given IS weights (VESPO reads them inside
-    # its sequence weight; geo_mean as their per-sequence geometric mean).
-    pg_weight = torch.ones_like(agg_pg)
-    log_is = None
-    if given_is is not None:
-        if formula == "vespo":
-            log_is = torch.log(given_is)
-        elif formula == "geo_mean":
-            pg_weight = _geometric_mean_per_sequence(given_is, scored, seq_index, num_seqs)
-        else:
-            pg_weight = given_is
-
-    on_policy_is = old is None and rollout is not None
-    whole_sequences = (sequence_level or on_policy_is or off_policy is not None
-                       or (quantile is not None and entropy_coef != 0.0))
-    fused = route.loss_route(call, formula, whole_sequences) == "fused"
-    minus_entropy_coef = runtime_scalar(-entropy_coef, device).to(acc)
-
-    def entropy_aggregation_weights(keep):
-        """The entropy bonus's ``[N]`` aggregation weights, over the kept rows with the entropy mask (TRL): the
-        policy term's aggregation and denominators (verl), or ``entropy_aggregation`` over the local tokens."""
-        if entropy_aggregation is None:
-            if keep is None:
-                return agg_w
-            return _aggregation_weights(aggregation, keep, seq_index, num_seqs, horizon_t.to(acc), acc, num_tokens,
-                                        num_seqs_agg)
-        rows = scored if keep is None else keep
-        return _aggregation_weights(entropy_aggregation, rows, seq_index, num_seqs, horizon_t.to(acc), acc)
-
-    is_info, keep, threshold, outside = None, None, None, None
-    if fused:
-        if rollout is not None:
-            is_info = _importance_weights(old, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
-            pg_weight = pg_weight * is_info[0]
-        w_pg = agg_pg * pg_weight
-        w_ent = entropy_aggregation_weights(None) * minus_entropy_coef
-        inputs = LossInputs(old, adv, w_pg, w_kl, w_ent, ref_logp_given)
-        loss, stats, threshold = route.fused_loss(call, inputs, hp, formula, estimator_name, entropy_coef != 0.0,
-                                                  with_entropy=compute_entropy, entropy_quantile=quantile)
-        logp, entropy = stats.logp, stats.entropy
-        if quantile is not None:
-            keep = scored & (entropy >= threshold)
-            w_pg = w_pg * keep.to(acc)
-    else:  # two passes: the differentiable statistics, the formulas in PyTorch, autograd
-        wanted = statistics.request(entropy=compute_entropy, ref=with_ref_logits, full_kl=full)
-        if call.truncation is not None:
-            stats, outside = _truncated_stats(call, full)
-            scored = scored & ~outside
-            agg_w, agg_pg = aggregation_weights(scored)
-            w_kl = agg_w * runtime_scalar(kl_coef, device).to(acc)
-        else:
-            stats = route.statistics(call, wanted)
-        logp = stats.logp
-        entropy = stats.entropy if compute_entropy else torch.zeros_like(logp)
-        if rollout is not None:
-            old_for_is = logp.detach() if old is None else old
-            is_info = _importance_weights(old_for_is, rollout, is_mode, is_cap, is_min, scored, seq_index, num_seqs)
-            pg_weight = pg_weight * is_info[0]
-        if off_policy is not None:
-            sampling = rollout if rollout is not None else (logp.detach() if old is None else old)
-            pg_weight = pg_weight * _off_policy_keep(adv, logp, sampling, off_policy, scored, seq_index,
-                                                     num_seqs).to(acc)
-        if quantile is not None:
-            keep, threshold = terms.entropy_keep(entropy.detach(), scored, quantile)
-            pg_weight = pg_weight * keep.to(acc)
-        w_pg = agg_pg * pg_weight
-    if not compute_entropy:
-        entropy = torch.zeros_like(logp)
-    ent_agg = entropy_aggregation_weights(keep)
-    w_ent = ent_agg * minus_entropy_coef
-    ref_logp = stats.ref_logp if with_ref_logits else (
-        ref_logp_given if ref_logp_given is not None else torch.zeros_like(logp))
-    reported_logp = logp
-    if outside is not None:  # dropped positions: finite stand-ins (weight 0, no gradient) so no term is NaN
-        stand_in = old if old is not None else torch.zeros_like(logp)
-        logp = torch.where(outside, stand_in.to(logp.dtype), logp)
-        ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
-    token = terms.token_terms(formula, estimator, logp, ref_logp, stats.full_kl if full else None, old, adv, hp,
-                              scored, seq_index, num_seqs, level=importance_sampling_level, log_is=log_is)
-    if outside is not None:
-        zero = torch.zeros_like(token.ratio)
-        token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
-    if not fused:
-        loss = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
-    parts = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
-             "entropy_loss": (ent_agg * entropy).sum()}
-    extra = {}
-    if quantile is not None:
-        extra["entropy_threshold"] = threshold.float().reshape(())
-    if token.seq_weight is not None:  # TRL's vespo/phi_seq_mean: over the sequences with per-sequence advantages
-        if per_sequence_advantages:  # phi is the same on every row of a sequence (1 for a sequence without rows)
-            phi = token.seq_weight.new_ones(num_seqs).scatter(0, seq_index, token.seq_weight)
-            extra["vespo_phi_mean"] = phi.float().mean() if num_seqs else phi.float().sum()
-        else:
-            extra["vespo_phi_mean"] = _masked_mean(token.seq_weight.float(), scored, scored.float().sum().clamp(min=1))
-    if outside is not None:
-        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
-    metrics = _metrics(token, scored, entropy, is_info, parts, extra)
-    view = lambda t: t.detach().float().view(shape)  # noqa: E731
-    return PolicyLossOutput(loss, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
-                            view(token.ratio), metrics)
+    sampling = sampling._replace(rollout=_per_position("rollout_logprobs", sampling.rollout, call, acc))
+    sequences = _sequences(call, loss, cu_seqlens, batch_num_tokens, global_batch_size)
+    rows = _rows(call, loss, sampling, advantages, rollout_is_weights, acc)
+    whole_sequences = (loss.level == "sequence" or (rows.old is None and sampling.rollout is not None)
+                       or sampling.off_policy is not None or (loss.quantile is not None and loss.entropy_coef != 0.0))
+    if route.loss_route(call, loss.formula, whole_sequences) == "fused":
+        result = _fused(call, loss, sampling, rows, aggregations, sequences, acc)
+    else:
+        result = _two_pass(call, loss, sampling, rows, sequences, acc)
+    per_sequence_adv = tuple(local_rows(advantages, "advantages").shape) != tuple(call.layout.shape)
+    return _output(call, loss, rows, result, aggregations, sequences, per_sequence_adv, acc)
