@@ -112,9 +112,11 @@ inline double pg_slope(const LossParams& P, double lp, double old, double d, dou
     case kDppoTv:
     case kDppoKl:  // -A * sg(min(r, clip_ratio_c)) * logp inside the trust region
       return dppo_valid(P, lp, old, A) ? -A * std::min(ratio, P.clip_ratio_c) : 0.0;
-    default:  // kDro: -(logp A - beta / 2 (logp - old)^2)
+    case kDro:  // -(logp A - beta / 2 (logp - old)^2)
       return -A + P.dro_beta * d;
   }
+  TORCH_CHECK(false, "kltriton_cpp: pg_slope has no derivative for loss type ", static_cast<int>(P.loss_type));
+  return 0.0;
 }
 
 // d loss_n / d (logp, full_kl) of one row: the policy-gradient term and the KL term (times the ratio with
@@ -145,7 +147,9 @@ inline RowSlopes row_g_logp(const LossParams& P, const RowIn& in, int64_t n, dou
     case kK1: value = dk; slope = 1.0; break;
     case kAbs: value = std::abs(dk); slope = dk > 0 ? 1.0 : (dk < 0 ? -1.0 : 0.0); break;
     case kK2: value = 0.5 * dk * dk; slope = dk; break;
-    default: value = std::expm1(-dk) + dk; slope = -std::expm1(-dk); break;  // k3
+    case kK3: value = std::expm1(-dk) + dk; slope = -std::expm1(-dk); break;
+    default: TORCH_CHECK(false, "kltriton_cpp: row_g_logp has no derivative for KL estimator ",
+                         static_cast<int>(P.estimator));
   }
   if (std::abs(value) > P.kl_clamp) {
     slope = 0.0;

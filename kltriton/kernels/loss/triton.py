@@ -106,7 +106,7 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
         slope = -adv
     elif LOSS_TYPE == "dro":  # -(logp A - beta / 2 (logp - old)^2)
         slope = -adv + tl.load(hp_ptr + HP_DRO_BETA) * d
-    else:  # dppo_tv / dppo_kl: -A * sg(min(r, clip_ratio_c)) * logp inside the divergence trust region
+    elif LOSS_TYPE == "dppo_tv" or LOSS_TYPE == "dppo_kl":  # -A * sg(min(r, clip_ratio_c)) * logp in the region
         clip_low = 1.0 - low
         clip_high = high - 1.0
         p = tl.exp(lp)
@@ -117,6 +117,8 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
             div = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
             valid = tl.where(adv > 0, (div <= clip_high) | (p <= p_old), (div <= clip_low) | (p >= p_old))
         slope = tl.where(valid, -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_CLIP_RATIO_C)), 0.0)
+    else:
+        tl.static_assert(False, "_pg_slope has no derivative for this loss type")
     return slope
 
 
@@ -155,9 +157,11 @@ def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w
             elif ESTIMATOR == "k2":
                 value = 0.5 * dk * dk
                 slope = dk
-            else:  # k3: exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
+            elif ESTIMATOR == "k3":  # exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
                 slope = 1.0 - tl.exp(-dk)
                 value = dk - slope
+            else:
+                tl.static_assert(False, "_row_g_logp has no derivative for this KL estimator")
             slope = tl.where(tl.abs(value) > kl_clamp, 0.0, slope)
             value = tr.clamp(value, -kl_clamp, kl_clamp)
             if STRAIGHT:  # "k3+": the value of the estimator, the gradient of k2
