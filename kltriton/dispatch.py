@@ -13,6 +13,8 @@ import importlib.metadata
 import importlib.util
 import os
 
+from kltriton._install import pip_install
+
 BACKENDS = ("triton", "cpp", "reference")
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
@@ -40,7 +42,7 @@ def _backend_availability(backend: str):
         return True, "plain PyTorch, always available"
     if backend == "triton":
         if importlib.util.find_spec("triton") is None:
-            return False, "triton is not installed (CUDA builds of torch bring it; or pip install kltriton[triton])"
+            return False, f"triton is not installed (CUDA builds of torch bring it; or {pip_install('triton')})"
         version = importlib.metadata.version("triton")
         if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (3, 6):
             return False, f"triton {version} is older than 3.6, the oldest tested"
