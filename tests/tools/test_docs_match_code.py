@@ -2,8 +2,8 @@
 every API page, the install page every extra, the policy_loss page every metric; no install command breaks in zsh."""
 import pathlib
 import re
-import tomllib
 
+import pytest
 import torch
 
 import kltriton
@@ -34,6 +34,7 @@ def test_api_index_links_every_api_page():
 
 
 def test_install_page_lists_every_extra():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
     with open(ROOT / "pyproject.toml", "rb") as file:
         extras = set(tomllib.load(file)["project"]["optional-dependencies"])
     install = (DOCS / "install.md").read_text()
@@ -71,6 +72,7 @@ def test_policy_loss_page_documents_every_metric():
     page = (DOCS / "api" / "policy_loss.md").read_text()
     metrics = page[page.index("- Metrics"):]
     names = _metric_names()
-    assert {"pg_loss", "kl_loss", "entropy_loss", "entropy_threshold", "vespo_phi_mean", "outside_support_frac"} <= names
+    assert {"pg_loss", "kl_loss", "entropy_loss", "entropy_threshold", "vespo_phi_mean",
+            "outside_support_frac"} <= names
     undocumented = sorted(name for name in names if f"`{name}`" not in metrics)
     assert not undocumented

@@ -4,7 +4,6 @@ import importlib
 import pathlib
 import re
 import sys
-import tomllib
 
 import pytest
 from packaging.requirements import Requirement
@@ -15,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _pyproject_extras():
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
     with open(ROOT / "pyproject.toml", "rb") as file:
         return tomllib.load(file)["project"]["optional-dependencies"]
 
@@ -28,7 +28,8 @@ def test_commands_match_pyproject_extras():
     extras = _pyproject_extras()
     for name, requirements in _install.EXTRAS.items():
         assert list(requirements) == extras[name], name
-        assert [str(r) for r in _requirements(_install.pip_install(name))] == [str(Requirement(r)) for r in extras[name]]
+        quoted = _requirements(_install.pip_install(name))
+        assert [str(r) for r in quoted] == [str(Requirement(r)) for r in extras[name]]
 
 
 def test_openrlhf_has_no_extra_and_its_command_pins_the_tested_version():
