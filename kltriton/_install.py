@@ -1,8 +1,10 @@
 """The pip command an error message gives for an optional part of kltriton.
 
-kltriton is installed from a clone or a wheel, not from an index, where an extra (kltriton[trl]) would not be
-found: each command names the packages themselves, with the versions of the matching extra in ``pyproject.toml``
-(``tests/tools/test_install_hints.py`` checks that they agree), so it works however kltriton was installed.
+kltriton is on no package index: naming an extra of it (kltriton[trl]) works only where kltriton is already
+installed as a distribution (pip then reads the extra from the installed copy), not from a checkout on the path,
+and unquoted it is a glob in zsh. So each command names the packages themselves, quoted, with the versions of the
+matching extra in ``pyproject.toml`` (``tests/tools/test_install_hints.py`` checks that they agree): it works
+however kltriton was installed.
 """
 from typing import Optional
 
