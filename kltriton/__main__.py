@@ -41,8 +41,25 @@ def info() -> int:
     return 0
 
 
+def _shadowed_by_a_folder():
+    """The message for ``python -m kltriton`` run where a folder named ``kltriton`` without ``__init__.py`` (the
+    clone itself, seen from its parent folder) shadows the installed package, or None. Python then imports that
+    folder as an empty namespace package, and every ``from kltriton import ...`` fails."""
+    package = sys.modules.get("kltriton")
+    if package is None or getattr(package, "__file__", None) is not None:
+        return None
+    folders = ", ".join(getattr(package, "__path__", [])) or "a folder on sys.path"
+    return (f"python -m kltriton: 'kltriton' resolves to the folder {folders}, not to the kltriton package (a folder "
+            "without __init__.py, such as the clone seen from its parent folder, shadows the installed package). "
+            "Run it from the clone's root (cd kltriton) or from any other folder.")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    shadowed = _shadowed_by_a_folder()
+    if shadowed:
+        print(shadowed, file=sys.stderr)
+        return 1
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2

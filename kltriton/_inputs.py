@@ -127,7 +127,8 @@ def _check_same_leading(name, tensor, shape, device, integer=False, boolean=Fals
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {tensor.dtype}")
+        raise TypeError(f"{name} must be an integer tensor (any integer dtype: int64, int32, uint8, ...), got "
+                        f"{tensor.dtype}")
     if boolean and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise TypeError(f"{name} must be a bool or integer tensor (0 = not scored), got {tensor.dtype}")
     if tuple(tensor.shape) != tuple(shape):

@@ -9,6 +9,7 @@ and reports the time (median of several runs, with the range) and peak memory of
 logits.
 """
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -123,16 +124,42 @@ def _lengths(tokens: int, sequences: int, gen) -> list:
     return [2 + hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
+def _int_at_least(low: int):
+    """An argparse ``type``: an int ``>= low`` (anything else is a usage error, exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def _finite_float(text: str) -> float:
+    """An argparse ``type``: a finite float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {value}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m kltriton demo", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"packed tokens (default {TOKENS})")
-    parser.add_argument("--sequences", type=int, default=SEQUENCES, help=f"sequences (default {SEQUENCES})")
-    parser.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary size (default {VOCAB})")
-    parser.add_argument("--coef", type=float, default=COEF, help=f"KL coefficient (default {COEF})")
+    parser.add_argument("--tokens", type=_int_at_least(2), default=TOKENS,
+                        help=f"packed tokens, at least 2 per sequence (default {TOKENS})")
+    parser.add_argument("--sequences", type=_int_at_least(1), default=SEQUENCES,
+                        help=f"sequences (default {SEQUENCES})")
+    parser.add_argument("--vocab", type=_int_at_least(1), default=VOCAB, help=f"vocabulary size (default {VOCAB})")
+    parser.add_argument("--coef", type=_finite_float, default=COEF, help=f"KL coefficient (default {COEF})")
     args = parser.parse_args(argv)
-    if args.sequences < 1 or args.tokens < 2 * args.sequences:
-        parser.error("--tokens must be at least 2 x --sequences, and --sequences at least 1")
+    if args.tokens < 2 * args.sequences:
+        parser.error(f"--tokens must be at least 2 x --sequences ({2 * args.sequences}), got {args.tokens}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu "
                      "(python -m kltriton info shows what runs here)")

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Callable, NamedTuple, Tuple
 
 from kltriton._env import backend_override, triton_interpreted
+from kltriton._install import pip_install
 
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
@@ -46,7 +47,7 @@ def _reference_availability():
 
 def _triton_availability():
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (CUDA builds of torch bring it; or pip install 'kltriton[triton]')"
+        return False, f"triton is not installed (CUDA builds of torch bring it; or {pip_install('triton')})"
     version = importlib.metadata.version("triton")
     if tuple(int(part) for part in version.split(".")[:2] if part.isdigit()) < (3, 6):
         return False, f"triton {version} is older than 3.6, the oldest tested"

@@ -5,7 +5,7 @@ Change ``from torchrl.envs.llm.transforms.kl import KLComputation, RetrieveKL, K
 DAPO, CISPOLoss``) to ``from kltriton.adapters.torchrl import ...``: same constructor arguments, keys, output
 layouts and construction errors (tested against torchrl 0.13 and 0.14; the losses against 0.14,
 ``torchrl_losses.py``). ``use_ray_service=True`` returns the
-Ray variant (``kltriton.adapters.torchrl_ray``, needs ``pip install kltriton[ray]``).
+Ray variant (``kltriton.adapters.torchrl_ray``, needs Ray, the ``[ray]`` extra).
 
 Only torchrl's public API is used: a model's logits come from its ``get_dist(...).logits``.
 
@@ -23,13 +23,15 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from kltriton._install import pip_install
+
 try:
     from tensordict import TensorDictBase
     from torchrl.data import Unbounded
     from torchrl.envs import Transform
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError("kltriton.adapters.torchrl needs torchrl and tensordict: "
-                      "pip install kltriton[torchrl]") from err
+                      f"{pip_install('torchrl')}") from err
 
 from kltriton import controllers, token_kl, token_logprobs
 from kltriton import estimators

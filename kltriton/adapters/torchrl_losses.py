@@ -26,7 +26,9 @@ import torch
 try:
     from torchrl.objectives.llm import grpo as _grpo
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("kltriton.adapters.torchrl needs torchrl and tensordict: pip install kltriton[torchrl]") from err
+    from kltriton._install import pip_install
+
+    raise ImportError(f"kltriton.adapters.torchrl needs torchrl and tensordict: {pip_install('torchrl')}") from err
 
 import kltriton
 

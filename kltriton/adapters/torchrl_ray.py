@@ -12,12 +12,14 @@ mapping, local parent/container handling) around a remote kltriton transform:
   where the actor computes;
 - results come back on the device of the caller's tensordict.
 
-Needs ``pip install kltriton[ray]``.
+Needs Ray (the ``[ray]`` extra).
 """
 try:
     import ray
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("use_ray_service=True needs Ray: pip install kltriton[ray]") from err
+    from kltriton._install import pip_install
+
+    raise ImportError(f"use_ray_service=True needs Ray: {pip_install('ray')}") from err
 
 from torchrl.envs.transforms import RayTransform
 

@@ -10,6 +10,8 @@ import importlib.metadata
 import sys
 from typing import Callable, List, Optional, Tuple
 
+from kltriton._install import pip_install
+
 
 class IntegrationError(RuntimeError):
     """An integration cannot be applied to the installed library (nothing was changed)."""
@@ -85,12 +87,12 @@ class Integration:
     """One library's ``apply()`` / ``undo()``: at most one active ``Patch`` at a time.
 
     ``install(patch)`` imports the library, resolves its targets and records the changes on ``patch``.
-    ``package`` / ``extra`` / ``tested``: the library's import name, kltriton's pip extra for it, and the
-    version the integration was tested with (for the error messages).
+    ``package`` / ``tested``: the library's import and distribution name and the version the integration was
+    tested with (for the error messages, with the install command of ``kltriton._install``).
     """
 
-    def __init__(self, name: str, install: Callable[[Patch], None], *, package: str, extra: str, tested: str):
-        self.name, self.package, self.extra, self.tested = name, package, extra, tested
+    def __init__(self, name: str, install: Callable[[Patch], None], *, package: str, tested: str):
+        self.name, self.package, self.tested = name, package, tested
         self._install = install
         self.current: Optional[Patch] = None
 
@@ -103,7 +105,7 @@ class Integration:
             importlib.import_module(self.package)
         except ImportError as err:
             raise ImportError(f"kltriton's {self.name} integration needs {self.package} (tested with "
-                              f"{self.package} {self.tested}): pip install kltriton[{self.extra}] "
+                              f"{self.package} {self.tested}): {pip_install(self.package, self.tested)} "
                               f"({err})") from err
         patch = Patch(self.name)
         try:

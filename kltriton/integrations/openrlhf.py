@@ -45,6 +45,6 @@ def _install(patch: Patch) -> None:
     patch.swap("openrlhf", patch.resolve(openrlhf_utils, "compute_entropy"), compute_entropy)
 
 
-_integration = Integration("OpenRLHF", _install, package="openrlhf", extra="openrlhf", tested="0.11.2")
+_integration = Integration("OpenRLHF", _install, package="openrlhf", tested="0.11.2")
 apply = _integration.apply
 undo = _integration.undo

@@ -86,7 +86,7 @@ def _install(patch: Patch) -> None:
         _install_truncation(patch, grpo_trainer)
 
 
-_integration = Integration("TRL", _install, package="trl", extra="trl", tested="1.16.0")
+_integration = Integration("TRL", _install, package="trl", tested="1.16.0")
 undo = _integration.undo
 _switches = {"truncation": False}
 

@@ -329,6 +329,6 @@ def _topk_diagnostics(student_logits, ids):
     return logp.view(ids.shape), own.view(ids.shape)
 
 
-_integration = Integration("verl", _install, package="verl", extra="verl", tested="0.9.1")
+_integration = Integration("verl", _install, package="verl", tested="0.9.1")
 apply = _integration.apply
 undo = _integration.undo

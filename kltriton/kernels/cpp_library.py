@@ -197,8 +197,8 @@ def _jit_build(src: Path) -> str:
         build_dir.mkdir(parents=True, exist_ok=True)
         _clear_stale_baton(build_dir)
         ok.unlink(missing_ok=True)
-        print(f"kltriton: building the C++ CPU kernels ({cap}) in {build_dir}, about a minute, once "
-              f"per torch version and CPU...", file=sys.stderr, flush=True)
+        print(f"kltriton: building the C++ CPU kernels ({cap}) in {build_dir}, once per torch version and CPU: "
+              f"1-2.5 minutes on 2 cores, longer under load...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
             cpp_extension.load(
