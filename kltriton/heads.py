@@ -32,7 +32,7 @@ import torch
 
 from kltriton.linear_logits import LinearLogits, head_scaling
 
-__all__ = ["lm_head_logits", "score_with_lm_head", "unwrap_model"]
+__all__ = ["lm_head_logits", "run_in_forward", "score_with_lm_head", "unwrap_model"]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -109,14 +109,22 @@ def score_with_lm_head(model: torch.nn.Module, hidden: torch.Tensor, fn: Callabl
     return call_as_forward(head, forward, hidden)
 
 
-def call_as_forward(module: torch.nn.Module, fn: Callable, *args) -> Any:
-    """``module(*args)`` with ``fn`` as its forward: the module's hooks (FSDP2, ZeRO-3, DDP's graph discovery) see a
-    forward of that module; ``fn``'s outputs are the module's."""
+def run_in_forward(model: torch.nn.Module, fn: Callable, *args) -> Any:
+    """``fn(*args)`` run as ``model``'s forward, through whatever wraps it: ``model(*args)`` with the wrapped
+    module's forward replaced by ``fn`` for the call (TRL's ``_ForwardRedirection``). DDP sees the outputs of its
+    forward (``find_unused_parameters``), FSDP2's root unshards its parameters, a DeepSpeed engine runs its
+    forward hooks. Use it to call ``score_with_lm_head`` from a training loop."""
+    return call_as_forward(unwrap_model(model), fn, *args, caller=model)
+
+
+def call_as_forward(module: torch.nn.Module, fn: Callable, *args, caller: Optional[torch.nn.Module] = None) -> Any:
+    """``(caller or module)(*args)`` with ``fn`` as ``module``'s forward: the hooks of ``module`` and of whatever
+    wraps it (``caller``) fire around ``fn``, and ``fn``'s outputs are the module's."""
     had_own = "forward" in module.__dict__
     own = module.__dict__.get("forward")
     module.forward = fn
     try:
-        return module(*args)
+        return (module if caller is None else caller)(*args)
     finally:
         if had_own:
             module.forward = own
