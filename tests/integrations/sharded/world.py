@@ -456,6 +456,39 @@ def verl_engine(spec, out, world):
     every sequence split over the ranks by Ulysses sequence parallelism). ``fused``: verl's ``use_fused_kernels``
     with ``impl_backend="kltriton"`` (the log-probs from the hidden states, in the model's forward); else verl's
     logits path (its ``logprobs_from_logits`` / ``entropy_from_logits``, which ``apply()`` sends to kltriton)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    if spec["layout"] == "reference":
+        return verl_reference(spec)
+    if spec.get("roll_locally"):  # the control: what verl did before #6068, labels rolled on each rank's slice
+        original = FSDPEngineWithLMHead.prepare_model_inputs
+
+        def prepare_model_inputs(self, micro_batch):
+            model_inputs, output_args = original(self, micro_batch)
+            model_inputs.pop("shift_labels", None)
+            return model_inputs, output_args
+
+        FSDPEngineWithLMHead.prepare_model_inputs = prepare_model_inputs
+        try:
+            return verl_run(spec, world)
+        finally:
+            FSDPEngineWithLMHead.prepare_model_inputs = original
+    return verl_run(spec, world)
+
+
+def verl_run(spec, world):
+    """One engine's run; verl switches the model class's forward to its backend's (a class attribute, for every
+    later model of the process): put back afterwards."""
+    from transformers import LlamaForCausalLM
+
+    forward = LlamaForCausalLM.forward
+    try:
+        return verl_engine_run(spec, world)
+    finally:
+        LlamaForCausalLM.forward = forward
+
+
+def verl_engine_run(spec, world):
     import functools
 
     from tensordict import TensorDict
@@ -465,8 +498,6 @@ def verl_engine(spec, out, world):
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import sft_loss
 
-    if spec["layout"] == "reference":
-        return verl_reference(spec)
     init_process_group(spec)
     rank = int(os.environ.get("RANK", "0"))
     sp = world if spec["layout"] == "ulysses" else 1
@@ -663,6 +694,25 @@ def backward(wrapped, loss):
         loss.backward()
 
 
+def tensor_parallel_head(spec, out, world):
+    """The plug-in point for kltriton's DTensor front door: a head made tensor parallel by torch's
+    ``parallelize_module`` (``ColwiseParallel``: a ``Shard(0)`` weight, as transformers' ``tp_plan`` shards
+    ``lm_head``). ``lm_head_logits`` hands the ``DTensor`` weight over as it is, with the hidden states as a
+    ``Replicate`` ``DTensor`` on its mesh."""
+    from kltriton import heads
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    init_process_group(spec)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto")
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
+    logits = heads.lm_head_logits(model, torch.zeros(3, model.config.hidden_size))
+    return {"weight": [str(p) for p in logits.weight.placements], "hidden": [str(p) for p in logits.hidden.placements],
+            "weight_local": list(logits.weight.to_local().shape), "shape": list(logits.shape), "seconds": 0.0}
+
+
 def describe(trainer):
     """What wraps the trained model: accelerate's distributed type, the wrapper, the FSDP2 units, ZeRO's stage."""
     from torch.distributed.fsdp import FSDPModule
@@ -675,7 +725,7 @@ def describe(trainer):
 
 
 JOBS = {"grpo": grpo, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
-        "heads": heads_job}
+        "heads": heads_job, "tensor_parallel": tensor_parallel_head}
 
 
 def integration(job):
@@ -755,7 +805,8 @@ def main(path):
             from openrlhf_support import stub_flash_attn
 
             stub_flash_attn()
-        if spec.get("kltriton", True) and layout != "reference" and spec["job"] != "heads":
+        if spec.get("kltriton", True) and layout != "reference" and spec["job"] in ("grpo", "gkd", "distillation",
+                                                                                     "verl", "openrlhf"):
             patch = integration(spec["job"]).apply()
         try:
             result = JOBS[spec["job"]](spec, out, world)
