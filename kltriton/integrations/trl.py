@@ -1,21 +1,29 @@
 """TRL (tested with 1.16): ``GRPOTrainer`` computes its log-probs, entropy and loss with kltriton, and the
 distillation trainers their divergence.
 
-``apply()`` changes two things of ``trl.trainer.grpo_trainer``, three of TRL's distillation (below), and
-``undo()`` puts them back:
+``apply()`` changes two things of ``trl.trainer.grpo_trainer``, four of TRL's distillation (below), and
+``undo()`` puts them back.
+
+Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
+wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
+gather, unshard and reduce the head as in the model's own forward; frozen heads (the reference, the teacher) are
+gathered copies (``kltriton.heads.lm_head_logits``). Tensor-parallel heads keep TRL's code, with a log line, until
+kltriton's DTensor front door serves them (``_tensor_parallel_head``).
+
 
 - ``add_fused_lm_head``, which ``GRPOTrainer.__init__`` calls on the policy and the reference model:
   TRL's head is still added, then wrapped by one whose ``fused_lm_head=True`` call projects only the
   scored positions and scores them with ``kltriton.token_logprobs`` (log-probs and entropy in one pass).
   So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
   again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
-  log-probs and entropy, sharded heads) keep TRL's head, with a log line.
+  log-probs and entropy, a PEFT adapter on the head, a tensor-parallel head) keep TRL's head, with a log line.
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
   importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
   for a model kltriton's head does not serve (MoE router losses, multimodal inputs), with one log line per
-  reason.
+  reason. The loss is computed inside the model's forward: the patched forward gets the loss as a function
+  (``fused_lm_head=<callable>``) and returns ``kltriton.policy_loss``'s output.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
   and ``use_adapter``: the policy's log-probs (current and old, in the head and in the loss) are those of the
   distribution sampled from, ``kltriton.Truncation`` of the config's ``top_k`` / ``top_p`` / ``min_p`` at its
@@ -26,12 +34,16 @@ Distillation (``kltriton.token_divergence`` from the models' hidden states, neve
 - ``GKDTrainer.compute_loss`` (``trl.experimental.gkd``): the student's and the teacher's backbones give hidden
   states, their LM heads become ``LinearLogits``, and the loss is the generalized JSD of TRL's
   ``generalized_jsd_loss`` (its ``beta``, temperature 1 and ``batchmean`` reduction, or ``sum / num_items_in_batch``)
-  with the student's gradient written in the forward. TRL's own ``compute_loss`` runs, with a log line, where the
-  caller wants the student's outputs (``return_outputs=True``), for MoE models, sharded heads or multimodal inputs.
+  with the student's gradient written in the forward; each model runs through its wrapper's forward. Under data
+  parallelism the loss is scaled by the ranks as transformers' ``Trainer.compute_loss`` scales it (TRL's override
+  does not). TRL's own ``compute_loss`` runs, with a log line, where the caller wants the student's outputs
+  (``return_outputs=True``), for MoE models, tensor-parallel heads or multimodal inputs.
 - ``GKDTrainer.generalized_jsd_loss``: the same function on logits; ``reduction="none"`` (TRL returns the
   elementwise ``[M, V]`` terms) runs TRL's own code, with a log line.
 - ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (``DistillationTrainer``'s loss): the same signature
-  and results (loss, the student's entropy sum, the scored count); TRL's own for sharded (``DTensor``) heads.
+  and results (loss, the student's entropy sum, the scored count). ``DistillationTrainer._compute_loss`` (TRL's,
+  wrapped) hands it the two models, whose heads are then read through them; TRL's own for tensor-parallel heads
+  and for ``DTensor`` heads passed without their models.
 
 A function rather than a trainer subclass: it also works for trainers built by TRL's CLI and for
 users' own ``GRPOTrainer`` subclasses. Nothing is imported before ``apply()`` is called.
