@@ -1,7 +1,7 @@
 """A causal LM's output head as ``kltriton.LinearLogits``, whatever wraps the model: plain, DDP, FSDP2, DeepSpeed
 ZeRO-3, or a tensor-parallel (DTensor) head.
 
-Two calls, for people who write their own training loop:
+For people who write their own training loop (the trainer integrations use the same calls):
 
 - ``score_with_lm_head(model, hidden, fn)``: ``fn(logits)`` runs *inside the LM head module's forward*, so every
   wrapper's hooks fire around it: FSDP2 unshards the head's unit (in its ``MixedPrecisionPolicy`` dtype) before
@@ -12,10 +12,12 @@ Two calls, for people who write their own training loop:
   ``find_unused_parameters=True`` (the gradient must come from the forward's outputs) and for an FSDP2 head in its
   model's root unit (the root unshards it only during the root's forward).
 - ``lm_head_logits(model, hidden)``: the ``LinearLogits`` itself, for a head that can be read as it is (plain or DDP
-  models; inside the forward of the FSDP2 unit that holds it) or that takes no gradient (a reference or teacher
-  model: a sharded frozen head is gathered once into a copy, through its FSDP2 unit's ``unshard()`` or DeepSpeed's
-  ``GatheredParameters``). A trainable head that is sharded at the call gets a ``RuntimeError`` naming
-  ``score_with_lm_head``.
+  models; inside the forward of the FSDP2 unit that holds it) or that takes no gradient (under ``torch.no_grad()``
+  or a weight that does not require grad: a reference or teacher model, whose FSDP2 or ZeRO-3 head becomes a copy,
+  gathered once when sharded through its FSDP2 unit's ``unshard()`` or DeepSpeed's ``GatheredParameters``). A
+  trainable head that is sharded at the call gets a ``RuntimeError`` naming ``score_with_lm_head``.
+- ``run_in_forward(model, fn, *args)``: ``fn(*args)`` as the model's forward, through whatever wraps it (TRL's
+  ``_ForwardRedirection``), to call ``score_with_lm_head`` from a loop.
 
 Both read the head's ``logit_scale`` and ``softcap`` from the model's config
 (``kltriton.linear_logits.head_scaling``) and give ``hidden`` the head weight's dtype.
@@ -56,10 +58,12 @@ def lm_head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> LinearLogits
         hidden: ``[..., H]`` the backbone's last hidden states (cast to the head's dtype).
 
     The head is used as it is when it is materialized now: a plain or DDP model, an FSDP2 head inside the forward of
-    the unit that holds it, a ZeRO-3 head inside its module's forward. A head whose weight does not require grad (a
-    reference or teacher) that is sharded now is gathered once into a detached copy (FSDP2: ``unshard()`` /
-    ``reshard()`` of its unit, in the unit's ``param_dtype``; ZeRO-3: ``GatheredParameters``): one all-gather, on
-    every rank. A trainable head that is sharded now raises: use ``score_with_lm_head``.
+    the unit that holds it, a ZeRO-3 head inside its module's forward. A head that takes no gradient here (called
+    under ``torch.no_grad()``, or a weight that does not require grad: a reference or teacher) and that FSDP2 or
+    ZeRO-3 manages becomes a detached copy, gathered first when sharded now (FSDP2: ``unshard()`` / ``reshard()`` of
+    its unit, in the unit's ``param_dtype``; ZeRO-3: ``GatheredParameters``): at most one all-gather, on every rank
+    alike, and the copy stays valid after the wrapper reshards. A trainable head that is sharded now (or a ZeRO-3
+    head outside its module's forward, which ZeRO-3 may release at any time) raises: use ``score_with_lm_head``.
     """
     model = unwrap_model(model)
     head = _output_head(model)

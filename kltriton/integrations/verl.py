@@ -124,7 +124,6 @@ def _patch_forward(verl_patch_forward):
                            type(model).__name__, why)
             return verl_patch_forward(model, use_fused_kernels=True, fused_kernels_backend="torch")
         model._verl_fused_kernels_backend = "kltriton"
-        model._kltriton_head_scaling = scaling
         model.__class__.forward = forward_with_kltriton_backend
         logger.warning("kltriton: %s scores its log-probs and entropy from the hidden states with kltriton "
                        "(fused_kernels_backend='kltriton')", type(model).__name__)
