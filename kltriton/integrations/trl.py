@@ -21,9 +21,11 @@ kltriton's DTensor front door serves them (``_tensor_parallel_head``).
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
   importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
-  for a model kltriton's head does not serve (MoE router losses, multimodal inputs), with one log line per
-  reason. The loss is computed inside the model's forward: the patched forward gets the loss as a function
-  (``fused_lm_head=<callable>``) and returns ``kltriton.policy_loss``'s output.
+  for a model kltriton's head does not serve (MoE router losses, multimodal inputs) and for
+  ``top_entropy_quantile < 1`` on several processes (TRL's threshold is a quantile over every rank's tokens,
+  ``policy_loss``'s over the local batch), with one log line per reason. The loss is computed inside the
+  model's forward: the patched forward gets it as a function (``fused_lm_head=<callable>``) and returns
+  ``kltriton.policy_loss``'s output.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
   and ``use_adapter``: the policy's log-probs (current and old, in the head and in the loss) are those of the
   distribution sampled from, ``kltriton.Truncation`` of the config's ``top_k`` / ``top_p`` / ``min_p`` at its
@@ -264,6 +266,9 @@ def _why_trl_loss(trainer, inputs) -> Optional[str]:
         (any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS), "the inputs are multimodal"),
         (not hasattr(model, "_kltriton_head_scaling"), "the model kept TRL's fused LM head"),
         (_tensor_parallel_head(model), "the LM head is tensor parallel"),
+        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
+         "top_entropy_quantile < 1 on several processes: TRL's entropy threshold is the quantile over every rank's "
+         "tokens, kltriton.policy_loss's over the local batch"),
     ]
     return next((reason for failed, reason in checks if failed), None)
 

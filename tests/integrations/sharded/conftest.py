@@ -42,6 +42,8 @@ def installed(*packages) -> bool:
 # The single-process float64 runs the sharded ones are compared with: the trainers' own code (no kltriton), the
 # same model, data and seed, the same global batch.
 GRPO = dict(job="grpo", batch=8, steps=2)
+# TRL takes the entropy mask's quantile over every rank's tokens: kltriton's integration keeps TRL's loss then.
+GRPO_ENTROPY_MASK = dict(GRPO, name="grpo_entropy_mask", top_entropy_quantile=0.5)
 GKD = dict(job="gkd", batch=8, steps=2)
 DISTILLATION = dict(job="distillation", batch=8, steps=2)
 VERL = dict(job="verl", sequences=8, temperature=0.9)
@@ -54,7 +56,7 @@ def references(models, tmp_path_factory):
     """``{job: result}`` of the single-process float64 runs, for the libraries installed."""
     jobs = []
     if installed("trl", "deepspeed"):
-        jobs += [GRPO, GKD, DISTILLATION]
+        jobs += [GRPO, GRPO_ENTROPY_MASK, GKD, DISTILLATION]
     if installed("verl", "tensordict"):
         jobs.append(VERL)
     if installed("openrlhf", "deepspeed"):
@@ -63,4 +65,4 @@ def references(models, tmp_path_factory):
         jobs.append(HEADS)
     jobs = [dict(job, layout="reference", **models) for job in jobs]
     results = launch.run(jobs, tmp_path_factory.mktemp("references"), world_size=1)[0]
-    return {r["job"]: r for r in results}
+    return {r["name"]: r for r in results}

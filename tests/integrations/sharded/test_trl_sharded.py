@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 
 import compare  # noqa: E402
 import launch  # noqa: E402
-from conftest import DISTILLATION, GKD, GRPO  # noqa: E402
+from conftest import DISTILLATION, GKD, GRPO, GRPO_ENTROPY_MASK  # noqa: E402
 
 LAYOUTS = {
     "ddp": "DDP, find_unused_parameters=False",
@@ -45,10 +45,11 @@ WRAPPERS = {"ddp": "DistributedDataParallel", "fsdp2": "FSDPLlamaForCausalLM", "
 def runs(models, tmp_path_factory):
     """``{(trainer, layout): rank 0's result}``, all from one 2-process launch; the control under ``"trl"``."""
     jobs = [dict(TRAINERS[trainer][0], layout=layout, **models) for trainer, layout in CASES]
+    jobs.append(dict(GRPO_ENTROPY_MASK, layout="ddp", **models))
     jobs.append(dict(GRPO, layout=CONTROL[1], kltriton=False, **models))
     ranks = launch.run(jobs, tmp_path_factory.mktemp("trl-sharded"), world_size=2)
-    results = {(r["job"], r["layout"]): r for r in ranks[0][:-1]}
-    results["trl"] = ranks[0][-1]
+    results = {(r["job"], r["layout"]): r for r in ranks[0][:-2]}
+    results["entropy_mask"], results["trl"] = ranks[0][-2:]
     for mine, theirs in zip(ranks[0], ranks[1]):  # every rank logged the same (gathered) numbers
         for a, b in zip(mine["logs"], theirs["logs"]):
             assert {k: v for k, v in a.items() if k not in compare.NOT_COMPARED} == \
@@ -78,6 +79,17 @@ def test_trainer_equals_one_process_float64(trainer, layout, runs, references):
     # the numbers
     compare.assert_logs_close(reference["logs"], run["logs"], tolerance)
     compare.assert_grads_close(reference["grads"], run["grads"], tolerance)
+
+
+def test_entropy_mask_over_ranks_keeps_trls_loss(runs, references):
+    """``top_entropy_quantile < 1`` on two ranks: TRL's threshold is the quantile over both ranks' tokens, which
+    ``kltriton.policy_loss`` does not take (it takes the local batch's), so the integration runs TRL's loss on
+    kltriton's log-probs, says why, and equals the one-process run."""
+    run = runs["entropy_mask"]
+    assert any("top_entropy_quantile < 1 on several processes" in line for line in run["lines"]), run["lines"]
+    assert run["calls"]["policy_loss"] == 0 and run["calls"]["token_logprobs"] >= 2, run["calls"]
+    compare.assert_logs_close(references["grpo_entropy_mask"]["logs"], run["logs"], compare.FP32)
+    compare.assert_grads_close(references["grpo_entropy_mask"]["grads"], run["grads"], compare.FP32)
 
 
 def test_the_comparison_can_fail(runs, references):

@@ -288,6 +288,7 @@ def grpo(spec, out, world):
     args = common_arguments(spec, out, world)
     args.update(per_device_train_batch_size=spec["batch"] // world, num_generations=4, max_completion_length=6,
                 num_iterations=2, epsilon=0.1, beta=0.1, temperature=0.9, loss_type=spec.get("loss_type", "dapo"),
+                top_entropy_quantile=spec.get("top_entropy_quantile", 1.0),
                 model_init_kwargs={"dtype": "auto"})
     trainer = GRPOTrainer(model=model_path(spec), reward_funcs=reward_ids, args=GRPOConfig(**args),
                           train_dataset=Dataset.from_dict({"prompt": prompts(spec["batch"] * spec["steps"], length=4)}))
@@ -815,7 +816,7 @@ def main(path):
                 patch.undo()
             logging.getLogger("kltriton").removeHandler(lines)
             reset_accelerate()
-        result.update(job=spec["job"], layout=layout, lines=lines.lines,
+        result.update(job=spec["job"], name=spec.get("name", spec["job"]), layout=layout, lines=lines.lines,
                       calls={k: calls[k] - before[k] for k in calls})
         print(f"[{time.time() - T0:.1f}s] rank {rank} {spec['job']} {layout} done ({result['seconds']:.1f}s training)",
               file=sys.stderr, flush=True)
