@@ -459,6 +459,7 @@ def _install_distillation(patch: Patch) -> None:
     distillation = patch.resolve(distillation_trainer, "DistillationTrainer")
     trl_distillation_loss = patch.resolve(distillation, "_compute_loss")
     redirect = _ForwardRedirection()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         reason = _why_trl_gkd(self, model, inputs, return_outputs)
         if reason is not None:
@@ -501,7 +502,8 @@ def _install_distillation(patch: Patch) -> None:
                                 teacher_logit_scale=1.0, student_final_logit_softcapping=None,
                                 teacher_final_logit_softcapping=None, temperature=1.0):
         models = _distillation_models.get()
-        if models is not None and _heads_of(models) == (student_lm_head_weight, teacher_lm_head_weight):
+        if models is not None and all(a is b for a, b in zip(_heads_of(models), (student_lm_head_weight,
+                                                                                 teacher_lm_head_weight))):
             if any(_tensor_parallel_head(m) for m in models):
                 _log_once("DistillationTrainer loss: TRL's own chunked kernels, because an LM head is tensor parallel")
             else:
