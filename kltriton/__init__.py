@@ -12,6 +12,7 @@ from kltriton.functional.policy_loss import PolicyLossOutput, policy_loss
 from kltriton.functional.token_divergence import token_divergence
 from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
+from kltriton.heads import lm_head_logits, score_with_lm_head
 from kltriton.linear_logits import LinearLogits
 from kltriton.topk import TopK
 from kltriton.truncation import Truncation
@@ -38,8 +39,10 @@ __all__ = [
     "empty_cache",
     "entropy_from_logits",
     "fused_kl_reward",
+    "lm_head_logits",
     "logprobs_of_labels",
     "policy_loss",
+    "score_with_lm_head",
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
     "set_validation",

@@ -1,21 +1,31 @@
 """TRL (tested with 1.16): ``GRPOTrainer`` computes its log-probs, entropy and loss with kltriton, and the
 distillation trainers their divergence.
 
-``apply()`` changes two things of ``trl.trainer.grpo_trainer``, three of TRL's distillation (below), and
-``undo()`` puts them back:
+``apply()`` changes two things of ``trl.trainer.grpo_trainer``, four of TRL's distillation (below), and
+``undo()`` puts them back.
+
+Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
+wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
+gather, unshard and reduce the head as in the model's own forward; frozen heads (the reference, the teacher) are
+gathered copies (``kltriton.heads.lm_head_logits``). Tensor-parallel heads keep TRL's code, with a log line, until
+kltriton's DTensor front door serves them (``_tensor_parallel_head``).
+
 
 - ``add_fused_lm_head``, which ``GRPOTrainer.__init__`` calls on the policy and the reference model:
   TRL's head is still added, then wrapped by one whose ``fused_lm_head=True`` call projects only the
   scored positions and scores them with ``kltriton.token_logprobs`` (log-probs and entropy in one pass).
   So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
   again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
-  log-probs and entropy, sharded heads) keep TRL's head, with a log line.
+  log-probs and entropy, a PEFT adapter on the head, a tensor-parallel head) keep TRL's head, with a log line.
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
   importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
-  for a model kltriton's head does not serve (MoE router losses, multimodal inputs), with one log line per
-  reason.
+  for a model kltriton's head does not serve (MoE router losses, multimodal inputs) and for
+  ``top_entropy_quantile < 1`` on several processes (TRL's threshold is a quantile over every rank's tokens,
+  ``policy_loss``'s over the local batch), with one log line per reason. The loss is computed inside the
+  model's forward: the patched forward gets it as a function (``fused_lm_head=<callable>``) and returns
+  ``kltriton.policy_loss``'s output.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
   and ``use_adapter``: the policy's log-probs (current and old, in the head and in the loss) are those of the
   distribution sampled from, ``kltriton.Truncation`` of the config's ``top_k`` / ``top_p`` / ``min_p`` at its
@@ -27,25 +37,31 @@ Distillation (``kltriton.token_divergence`` from the models' hidden states, neve
 - ``GKDTrainer.compute_loss`` (``trl.experimental.gkd``): the student's and the teacher's backbones give hidden
   states, their LM heads become ``LinearLogits``, and the loss is the generalized JSD of TRL's
   ``generalized_jsd_loss`` (its ``beta``, temperature 1 and ``batchmean`` reduction, or ``sum / num_items_in_batch``)
-  with the student's gradient written in the forward. TRL's own ``compute_loss`` runs, with a log line, where the
-  caller wants the student's outputs (``return_outputs=True``), for MoE models, sharded heads or multimodal inputs.
+  with the student's gradient written in the forward; each model runs through its wrapper's forward. Under data
+  parallelism the loss is scaled by the ranks as transformers' ``Trainer.compute_loss`` scales it (TRL's override
+  does not). TRL's own ``compute_loss`` runs, with a log line, where the caller wants the student's outputs
+  (``return_outputs=True``), for MoE models, tensor-parallel heads or multimodal inputs.
 - ``GKDTrainer.generalized_jsd_loss``: the same function on logits; ``reduction="none"`` (TRL returns the
   elementwise ``[M, V]`` terms) runs TRL's own code, with a log line.
 - ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (``DistillationTrainer``'s loss): the same signature
-  and results (loss, the student's entropy sum, the scored count); TRL's own for sharded (``DTensor``) heads.
+  and results (loss, the student's entropy sum, the scored count). ``DistillationTrainer._compute_loss`` (TRL's,
+  wrapped) hands it the two models, whose heads are then read through them; TRL's own for tensor-parallel heads
+  and for ``DTensor`` heads passed without their models.
 
 A function rather than a trainer subclass: it also works for trainers built by TRL's CLI and for
 users' own ``GRPOTrainer`` subclasses. Nothing is imported before ``apply()`` is called.
 """
 import contextlib
 import contextvars
+import functools
 import logging
 import types
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 import kltriton
+from kltriton import heads
 from kltriton.integrations._patch import Integration, Patch
 from kltriton.linear_logits import head_scaling
 
@@ -177,23 +193,31 @@ def _log_once(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- head
-class _Head(NamedTuple):
-    """What the LM head needs to score positions: ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]``."""
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-
 def _head_scaling(model):
     """``(logit_scale, softcap)`` of the model's LM head (``kltriton.linear_logits.head_scaling``, TRL's reading
     of the config), or a string saying why kltriton's head can't serve the model."""
     if getattr(model.config.get_text_config(), "output_router_logits", False):
         return "the model returns MoE router logits (its load-balancing loss is TRL's)"
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "base_layer"):
+        return "its LM head carries a PEFT adapter (kltriton would project with the base weight only)"
     return head_scaling(model.config)
 
 
+def _tensor_parallel_head(model) -> bool:
+    """A ``DTensor`` head no FSDP2 unit owns (transformers ``tp_plan``, torch ``parallelize_module``): it needs
+    kltriton's DTensor front door (vocab-parallel), which this integration does not route to yet."""
+    model = heads.unwrap_model(model)
+    return heads._tensor_parallel(model, model.get_output_embeddings())
+
+
 def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, outputs):
-    """Wrap the ``forward`` TRL's ``add_fused_lm_head`` installed with one that scores through kltriton."""
+    """Wrap the ``forward`` TRL's ``add_fused_lm_head`` installed with one that scores through kltriton.
+
+    The scoring runs inside the LM head module's forward (``kltriton.score_with_lm_head``), itself inside this
+    forward, which TRL calls through the wrapped model: DDP sees the head used in its forward, FSDP2 unshards the
+    head's unit (any wrapping, any ``reshard_after_forward``, its ``MixedPrecisionPolicy``), ZeRO-3 gathers the head
+    in the forward and the backward, once per call on every rank."""
     scaling = _head_scaling(model)
     if isinstance(scaling, str) or not set(outputs) <= {"log_probs", "entropy"}:
         why = scaling if isinstance(scaling, str) else f"outputs {outputs} were asked for"
@@ -205,7 +229,7 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
 
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):
-        if not patch.active or fused_lm_head is False:
+        if not patch.active or fused_lm_head is False or _tensor_parallel_head(self):
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
@@ -214,16 +238,14 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        head = self.get_output_embeddings()
-        if not isinstance(head.weight, torch.Tensor) or type(head.weight).__name__ == "DTensor":
-            raise NotImplementedError("kltriton's TRL head takes an unsharded LM head; undo() the integration "
-                                      "for FSDP2 / tensor-parallel heads")
         if cast_lm_head_to_fp32:
             hidden = hidden.float()
-        if fused_lm_head == "kltriton":  # the loss path: scored later by kltriton.policy_loss
-            return _Head(hidden, head.weight, head.bias)
-        return _score(hidden, head.weight, head.bias, labels, logit_scale, softcap, temperature, with_entropy,
-                      num_items_in_batch)
+        if callable(fused_lm_head):  # the loss path (_kltriton_loss): scored by kltriton.policy_loss in here
+            return heads.score_with_lm_head(self, hidden, fused_lm_head)
+        mask = labels != -100
+        return heads.score_with_lm_head(self, hidden[mask], functools.partial(
+            _score, mask=mask, labels=labels[mask], temperature=temperature, with_entropy=with_entropy,
+            num_items_in_batch=num_items_in_batch))
 
     model.forward = types.MethodType(forward, model)
     model._kltriton_head_scaling = (logit_scale, softcap)
@@ -231,13 +253,11 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
               f"(logit_scale={logit_scale}, softcap={softcap})")
 
 
-def _score(hidden, weight, bias, labels, logit_scale, softcap, temperature, with_entropy, num_items_in_batch):
-    """TRL's ``FusedCausalLMOutput`` for the next-token ``labels`` (-100 = not scored), from kltriton."""
+def _score(logits, *, mask, labels, temperature, with_entropy, num_items_in_batch):
+    """TRL's ``FusedCausalLMOutput`` from the ``LinearLogits`` of the scored positions (``mask``) and their labels."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    mask = labels != -100
-    logits = kltriton.LinearLogits(hidden[mask], weight, bias, logit_scale=logit_scale, softcap=softcap)
-    out = kltriton.token_logprobs(logits, labels[mask], temperature=temperature, return_entropy=with_entropy,
+    out = kltriton.token_logprobs(logits, labels, temperature=temperature, return_entropy=with_entropy,
                                   truncation=_truncation.get())
     logp, entropy = out if with_entropy else (out, None)
     # masked_scatter keeps the outputs connected to the model even when no position is scored
@@ -269,6 +289,10 @@ def _why_trl_loss(trainer, inputs) -> Optional[str]:
         (trainer.aux_loss_enabled, "the MoE aux loss is on (the router logits come from TRL's forward)"),
         (any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS), "the inputs are multimodal"),
         (not hasattr(model, "_kltriton_head_scaling"), "the model kept TRL's fused LM head"),
+        (_tensor_parallel_head(model), "the LM head is tensor parallel"),
+        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
+         "top_entropy_quantile < 1 on several processes: TRL's entropy threshold is the quantile over every rank's "
+         "tokens, kltriton.policy_loss's over the local batch"),
     ]
     return next((reason for failed, reason in checks if failed), None)
 
@@ -348,14 +372,16 @@ def _kltriton_loss(trainer, model, inputs):
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    with trainer.accelerator.autocast():
-        head = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head="kltriton")
-    logit_scale, softcap = trainer.accelerator.unwrap_model(trainer.model)._kltriton_head_scaling
-    k = completion_ids.size(1)
-    logits = kltriton.LinearLogits(head.hidden[:, -k:], head.weight, head.bias, logit_scale=logit_scale,
-                                   softcap=softcap)
     kwargs = policy_loss_arguments(trainer, inputs)
-    out = kltriton.policy_loss(logits, completion_ids, inputs["advantages"], **kwargs)
+    k = completion_ids.size(1)
+
+    def loss(logits):  # inside the (wrapped) model's forward and its LM head's
+        completion = kltriton.LinearLogits(logits.hidden[:, -k:], logits.weight, logits.bias,
+                                           logit_scale=logits.logit_scale, softcap=logits.softcap)
+        return kltriton.policy_loss(completion, completion_ids, inputs["advantages"], **kwargs)
+
+    with trainer.accelerator.autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=loss)
     mode, accumulation = _mode_and_accumulation(trainer)
     _log_metrics(trainer, mode, accumulation, out, kwargs, inputs["advantages"])
     return out.loss
@@ -454,6 +480,8 @@ def _install_distillation(patch: Patch) -> None:
     trl_gkd_compute_loss = patch.resolve(gkd, "compute_loss")
     trl_jsd = patch.resolve(gkd, "generalized_jsd_loss")
     trl_chunked = patch.resolve(distillation_trainer, "_chunked_divergence_loss")
+    distillation = patch.resolve(distillation_trainer, "DistillationTrainer")
+    trl_distillation_loss = patch.resolve(distillation, "_compute_loss")
     redirect = _ForwardRedirection()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -464,8 +492,14 @@ def _install_distillation(patch: Patch) -> None:
         _log_once(f"GKDTrainer loss: kltriton.token_divergence (generalized JSD, beta={self.beta}) from the hidden "
                   "states")
         student = self.accelerator.unwrap_model(model)
-        # Through the wrapper's forward (DDP / FSDP hooks), as TRL's DistillationTrainer does.
-        return redirect(model, student, _gkd_loss, self, student, inputs, num_items_in_batch)
+        # Through the wrapper's forward (DDP / FSDP / DeepSpeed hooks), as TRL's DistillationTrainer does.
+        loss = redirect(model, student, _gkd_loss, self, student, redirect, inputs, num_items_in_batch)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # num_items_in_batch counts every rank's tokens and the wrapper averages the ranks' gradients: scaled
+            # as transformers' Trainer.compute_loss scales (TRL's GKD override does not, so its data-parallel
+            # gradient is 1 / world of a one-process run's).
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return loss
 
     def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
                              reduction="batchmean", num_items_in_batch=None):
@@ -476,18 +510,39 @@ def _install_distillation(patch: Patch) -> None:
                            reduction=reduction, num_items_in_batch=num_items_in_batch)
         return _jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch)
 
+    def distillation_compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        # TRL's, run inside the student wrapper's forward; the heads it hands to _chunked_divergence_loss are read
+        # through these models (kltriton.heads) instead of as tensors.
+        models = (unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
+        token = _distillation_models.set(models)
+        try:
+            return trl_distillation_loss(self, unwrapped_student, inputs, num_items_in_batch)
+        finally:
+            _distillation_models.reset(token)
+
     def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
                                 teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
                                 student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
                                 teacher_logit_scale=1.0, student_final_logit_softcapping=None,
                                 teacher_final_logit_softcapping=None, temperature=1.0):
+        models = _distillation_models.get()
+        if models is not None and all(a is b for a, b in zip(_heads_of(models), (student_lm_head_weight,
+                                                                                 teacher_lm_head_weight))):
+            if any(_tensor_parallel_head(m) for m in models):
+                _log_once("DistillationTrainer loss: TRL's own chunked kernels, because an LM head is tensor parallel")
+            else:
+                _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from "
+                          "the hidden states, the LM heads read in their modules' forwards")
+                student, teacher = models
+                return _divergence_through_heads(student, teacher, student_hidden_states, teacher_hidden_states,
+                                                 completion_mask, beta, num_items_in_batch, temperature)
         args = (student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
                 completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
                 student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
                 teacher_final_logit_softcapping, temperature)
         if any(_is_sharded(w) for w in (student_lm_head_weight, teacher_lm_head_weight)):
             _log_once("DistillationTrainer loss: TRL's own chunked kernels, because the LM heads are sharded "
-                      "(DTensor)")
+                      "(DTensor) and came without their models")
             return trl_chunked(*args)
         _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from the "
                   "hidden states")
@@ -495,7 +550,16 @@ def _install_distillation(patch: Patch) -> None:
 
     patch.set(gkd, "compute_loss", compute_loss)
     patch.set(gkd, "generalized_jsd_loss", staticmethod(generalized_jsd_loss))
+    patch.set(distillation, "_compute_loss", distillation_compute_loss)
     patch.set(distillation_trainer, "_chunked_divergence_loss", chunked_divergence_loss)
+
+
+# (student, teacher) unwrapped, while DistillationTrainer._compute_loss runs
+_distillation_models = contextvars.ContextVar("kltriton_trl_distillation_models", default=None)
+
+
+def _heads_of(models):
+    return tuple(heads.unwrap_model(m).get_output_embeddings().weight for m in models)
 
 
 def _is_sharded(tensor) -> bool:
@@ -531,8 +595,8 @@ def _why_trl_gkd(trainer, model, inputs, return_outputs) -> Optional[str]:
         head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
         if head is None or not hasattr(m, "base_model"):
             return f"the {name} model has no LM head and backbone to read hidden states from"
-        if _is_sharded(head.weight):
-            return f"the {name}'s LM head is sharded (DTensor)"
+        if _tensor_parallel_head(m):
+            return f"the {name}'s LM head is tensor parallel"
         if isinstance(_head_scaling(m), str):
             return f"the {name}: {_head_scaling(m)}"
     if any(inputs.get(k) is not None for k in _MULTIMODAL_INPUTS):
@@ -540,42 +604,60 @@ def _why_trl_gkd(trainer, model, inputs, return_outputs) -> Optional[str]:
     return None
 
 
-def _head_logits(model, input_ids, attention_mask):
-    """The model's next-token logits as ``LinearLogits``: its backbone's hidden states (the last position dropped)
-    and its LM head, with the head's scaling from the config."""
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    logit_scale, softcap = _head_scaling(model)
-    return kltriton.LinearLogits(hidden[:, :-1].to(head.weight.dtype), head.weight, head.bias,
-                                 logit_scale=logit_scale, softcap=softcap)
+def _teacher_head(teacher, input_ids, attention_mask):
+    """The teacher's next-token hidden states and its LM head (a gathered copy when sharded,
+    ``kltriton.lm_head_logits``), computed inside the teacher wrapper's forward."""
+    hidden = teacher.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    logits = heads.lm_head_logits(teacher, hidden[:, :-1])  # (called under no_grad: a copy when sharded)
+    return logits.hidden, logits.weight, logits.bias  # tensors: what wrappers' output hooks expect
 
 
-def _gkd_loss(trainer, student, inputs, num_items_in_batch):
+def _gkd_loss(trainer, student, redirect, inputs, num_items_in_batch):
     """``GKDTrainer.compute_loss`` by ``kltriton.token_divergence``: TRL's causal shift, ``generalized_jsd_loss`` with
-    the trainer's ``beta`` at temperature 1 (as TRL calls it), ``batchmean`` or ``sum / num_items_in_batch``."""
+    the trainer's ``beta`` at temperature 1 (as TRL calls it), ``batchmean`` or ``sum / num_items_in_batch``. Runs
+    inside the student wrapper's forward; the teacher runs through its own wrapper's."""
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     teacher.eval()
-    student_logits = _head_logits(student, inputs["input_ids"], inputs["attention_mask"])
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
     with torch.no_grad():
-        teacher_logits = _head_logits(teacher, inputs["input_ids"], inputs["attention_mask"])
-    return _jsd_loss(student_logits, teacher_logits, inputs["labels"][:, 1:], trainer.beta, 1.0, "batchmean",
-                     num_items_in_batch)
+        teacher_hidden, weight, bias = redirect(trainer.teacher_model, teacher, _teacher_head, teacher, input_ids,
+                                                attention_mask)
+    logit_scale, softcap = _head_scaling(teacher)
+    teacher_logits = kltriton.LinearLogits(teacher_hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
+    hidden = student.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    labels = inputs["labels"][:, 1:]
+    return heads.score_with_lm_head(student, hidden[:, :-1], lambda student_logits: _jsd_loss(
+        student_logits, teacher_logits, labels, trainer.beta, 1.0, "batchmean", num_items_in_batch))
+
+
+def _divergence_through_heads(student, teacher, student_hidden_states, teacher_hidden_states, completion_mask, beta,
+                              num_items_in_batch, temperature):
+    """``_distillation_loss`` with the heads read through their models: the student's inside its LM head's forward,
+    the teacher's as a gathered copy when sharded."""
+    with torch.no_grad():  # the teacher takes no gradient: its head is a gathered copy when sharded
+        teacher_logits = heads.lm_head_logits(teacher, teacher_hidden_states)
+    return heads.score_with_lm_head(student, student_hidden_states, lambda student_logits: _divergence(
+        student_logits, teacher_logits, completion_mask, beta, num_items_in_batch, temperature))
 
 
 def _distillation_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
                        completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
                        student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
                        teacher_final_logit_softcapping, temperature):
-    """``DistillationTrainer``'s ``_chunked_divergence_loss`` by ``kltriton.token_divergence``: ``(loss, the student's
-    entropy summed over the scored positions, their count)``, the loss ``sum / count`` (clamped at 1) or
-    ``sum / num_items_in_batch``."""
-    mask = completion_mask != 0
-    labels = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    """``DistillationTrainer``'s ``_chunked_divergence_loss`` by ``kltriton.token_divergence`` on the given tensors."""
     student = kltriton.LinearLogits(student_hidden_states, student_lm_head_weight, student_lm_head_bias,
                                     logit_scale=float(student_logit_scale), softcap=student_final_logit_softcapping)
     teacher = kltriton.LinearLogits(teacher_hidden_states.to(teacher_lm_head_weight.dtype), teacher_lm_head_weight,
                                     teacher_lm_head_bias, logit_scale=float(teacher_logit_scale),
                                     softcap=teacher_final_logit_softcapping)
+    return _divergence(student, teacher, completion_mask, beta, num_items_in_batch, temperature)
+
+
+def _divergence(student, teacher, completion_mask, beta, num_items_in_batch, temperature):
+    """``(loss, the student's entropy summed over the scored positions, their count)``, the loss ``sum / count``
+    (clamped at 1) or ``sum / num_items_in_batch``: ``_chunked_divergence_loss``'s outputs."""
+    mask = completion_mask != 0
+    labels = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
     total, entropy = kltriton.token_divergence(student, teacher, labels, divergence="jsd", beta=beta,
                                                temperature=temperature, reduction="sum", mask=mask,
                                                return_entropy=True)

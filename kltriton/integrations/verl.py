@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 import kltriton
-from kltriton import dropins, estimators
+from kltriton import dropins, estimators, heads
 from kltriton.integrations._patch import Integration, Patch
 from kltriton.linear_logits import head_scaling
 
@@ -82,7 +82,11 @@ def forward_with_kltriton_backend(self, input_ids=None, attention_mask=None, pos
                                   logits_to_keep=0, temperature: float = 1.0, shift_labels=None, **loss_kwargs):
     """verl's ``forward_with_torch_backend`` (``models/transformers/dense_common.py``) with the log-probs and entropy
     of the next tokens scored by ``kltriton.token_logprobs`` on ``LinearLogits(hidden, lm_head)``: fp32,
-    differentiable w.r.t. the hidden states and the LM head."""
+    differentiable w.r.t. the hidden states and the LM head. Scored inside the LM head's forward
+    (``kltriton.score_with_lm_head``), so FSDP2 unshards the head in any wrapping. Under Ulysses sequence
+    parallelism the engine passes ``shift_labels``: the input ids rolled over the whole packed sequence, then split
+    like the hidden states (verl #6068); rolling the local slice instead would score each slice's last token on its
+    own first one."""
     from verl.models.transformers.dense_common import CausalLMOutputForPPO, forward_base_model
 
     outputs = forward_base_model(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -99,10 +103,10 @@ def forward_with_kltriton_backend(self, input_ids=None, attention_mask=None, pos
         rolled = torch.roll(input_ids, shifts=-1, dims=-1)
     else:
         raise RuntimeError("To use forward_with_kltriton_backend, either labels or input_ids must be provided.")
-    head = self.get_output_embeddings()
-    logit_scale, softcap = self._kltriton_head_scaling
-    logits = kltriton.LinearLogits(outputs[0], head.weight, head.bias, logit_scale=logit_scale, softcap=softcap)
-    log_probs, entropy = kltriton.token_logprobs(logits, rolled, temperature=temperature, return_entropy=True)
+    # Scored inside the LM head module's forward: FSDP2 unshards the head whatever unit holds it (verl wraps the
+    # decoder layers, the untied embeddings and the root), in its param_dtype, and reduces its gradient.
+    log_probs, entropy = heads.score_with_lm_head(self, outputs[0], lambda logits: kltriton.token_logprobs(
+        logits, rolled, temperature=temperature, return_entropy=True))
     return CausalLMOutputForPPO(log_probs=log_probs, entropy=entropy, past_key_values=outputs.past_key_values,
                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
@@ -120,7 +124,6 @@ def _patch_forward(verl_patch_forward):
                            type(model).__name__, why)
             return verl_patch_forward(model, use_fused_kernels=True, fused_kernels_backend="torch")
         model._verl_fused_kernels_backend = "kltriton"
-        model._kltriton_head_scaling = scaling
         model.__class__.forward = forward_with_kltriton_backend
         logger.warning("kltriton: %s scores its log-probs and entropy from the hidden states with kltriton "
                        "(fused_kernels_backend='kltriton')", type(model).__name__)

@@ -1,8 +1,6 @@
 """OpenRLHF integration: its Actor scores with kltriton, and kltriton reproduces OpenRLHF's helpers."""
-import importlib.machinery
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -14,32 +12,9 @@ pytest.importorskip("deepspeed")
 import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import openrlhf as kl_openrlhf  # noqa: E402
+from openrlhf_support import stub_flash_attn  # noqa: E402
 
-
-def _stub_flash_attn():
-    """flash-attn is CUDA-only and does not build on a CPU machine, yet ``import openrlhf.models`` imports
-    ``flash_attn.bert_padding`` (used only for packed samples and ring attention, which these tests don't use).
-    Stand in for those names with functions that fail if called; ``flash_attn.ops`` stays missing, so
-    ``log_probs_from_logits`` takes its PyTorch path, as on any machine without flash-attn's Triton kernels."""
-    def unavailable(*args, **kwargs):
-        raise RuntimeError("flash_attn stub: not available on this CPU test machine")
-
-    modules = {}
-    for name in ("flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed"):
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        module.__path__ = []
-        modules[name] = module
-    for attr in ("index_first_axis", "pad_input", "rearrange", "unpad_input"):
-        setattr(modules["flash_attn.bert_padding"], attr, unavailable)
-    modules["flash_attn.utils.distributed"].all_gather = unavailable
-    return modules
-
-
-try:
-    import flash_attn  # noqa: F401
-except ImportError:
-    sys.modules.update(_stub_flash_attn())
+stub_flash_attn()
 
 import openrlhf.models.utils as openrlhf_utils  # noqa: E402
 from openrlhf.models import PolicyLoss  # noqa: E402
