@@ -29,10 +29,10 @@ from kltriton._env import launched_world_size
 from kltriton._inputs import host_checks
 from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
 from kltriton.kernels.linear import Side
-from kltriton.kernels.statistics import NOT_HERE, StreamStats
+from kltriton.kernels.statistics import LABEL_ELSEWHERE, StreamStats
 from kltriton.ops import divergence
 from kltriton.ops import statistics as statistics_ops
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 from kltriton.ops import truncation as truncation_ops
 
 # Label bound when the global vocabulary is not known (``vocab_start`` given, validation off): a
@@ -140,7 +140,7 @@ def chunked_shard(group, start: int, size: int, vocab: int) -> VocabShard:
     return VocabShard(group, start, size, vocab, spans)
 
 
-def exchange_stats(local: StreamStats, has_label: torch.Tensor, wanted: int, group) -> Tuple[StreamStats, torch.Tensor]:
+def exchange_stats(local: StreamStats, has_label: torch.Tensor, request: int, group) -> Tuple[StreamStats, torch.Tensor]:
     """Global statistics from every rank's local ones: one all-gather of one value per present statistic and row.
 
     Args:
@@ -148,18 +148,18 @@ def exchange_stats(local: StreamStats, has_label: torch.Tensor, wanted: int, gro
             ``stream`` kernel returns them for the shard alone.
         has_label: ``[N]`` bool, whether this rank's shard holds the row's label (its ``logp`` /
             ``ref_logp`` are then the label's local log-probs; elsewhere they are ignored).
-        wanted: the request bits that produced ``local``.
+        request: the request bits that produced ``local``.
     Returns:
         ``(StreamStats, labelled)``: the merged global ``[N]`` statistics (``statistics.merge``) and
         ``[N]`` bool, whether any rank holds the row's label (no outputs are masked here).
     """
     n = local.lse.shape[0]
-    names = [name for name in statistics.NAMES if statistics.present(wanted, name)]
-    columns = [torch.where(has_label, value, torch.full_like(value, NOT_HERE)) if name in ("logp", "ref_logp")
+    names = [name for name in statistics.NAMES if statistics.present(request, name)]
+    columns = [torch.where(has_label, value, torch.full_like(value, LABEL_ELSEWHERE)) if name in ("logp", "ref_logp")
                else value for name, value in ((name, getattr(local, name)) for name in names)]
     gathered = all_gather(torch.stack(columns), group)  # [K * m, N], rank-major
     pieces = dict(zip(names, gathered.view(-1, len(columns), n).unbind(1)))  # m tensors [K, N]
-    return statistics.merge(pieces, wanted), (pieces["logp"] != NOT_HERE).any(0)
+    return statistics.merge(pieces, request), (pieces["logp"] != LABEL_ELSEWHERE).any(0)
 
 
 def _masked(value, skip, bad):
@@ -179,11 +179,11 @@ def _localize(target, start, size, elsewhere):
     return torch.where(target < 0, target, torch.where(own, local_id, torch.full_like(local_id, elsewhere))), own
 
 
-def _global_stats(local: StreamStats, target, kernel_target, own, wanted, group):
+def _global_stats(local: StreamStats, target, kernel_target, own, request, group):
     """``(stats, backward_target)``: the global statistics (one all-gather), 0 at unscored rows and
     NaN at rows scored on a label no shard holds; the kernel target of the backward, where those
     rows are ``OUT_OF_RANGE`` (no gradient)."""
-    stats, labelled = exchange_stats(local, own, wanted, group)
+    stats, labelled = exchange_stats(local, own, request, group)
     skip = target == SKIP
     bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
     no_nan = torch.zeros_like(bad)
@@ -199,7 +199,7 @@ class LocalPass(NamedTuple):
     group: object          # the ProcessGroup
     start: object          # this shard's first global id (an int, or a 0-dim tensor learned on the device)
     size: int              # V_local
-    wanted: int            # the statistics request (merged passes)
+    request: int            # the statistics request (merged passes)
     tile_elements: int
     backend: str
 
@@ -211,24 +211,24 @@ def _side(tensors) -> Optional[Side]:
 def _statistics_forward(local, target, tensors):
     """``statistics`` of (policy, ref) sides: ``tensors`` = the policy's five, the reference's five, temperature."""
     policy, ref, temperature = Side(*tensors[:5]), _side(tensors[5:10]), tensors[10]
-    return StreamStats(*statistics_ops.statistics(policy, ref, target, temperature, local.wanted,
+    return StreamStats(*statistics_ops.statistics(policy, ref, target, temperature, local.request,
                                                   local.tile_elements, local.backend))
 
 
-def _statistics_backward(local, target, own, tensors, stats, grads, want):
+def _statistics_backward(local, target, own, tensors, stats, grads, needs_grad):
     policy, ref, temperature = Side(*tensors[:5]), _side(tensors[5:10]), tensors[10]
     return statistics_ops.gradients(policy, ref, target, temperature, local.tile_elements, local.backend, grads,
-                                    stats, want, label_here=own)
+                                    stats, needs_grad, label_here=own)
 
 
 def _truncated_forward(local, target, tensors):
     """The ``truncation`` statistics above a known floor: ``tensors`` = logits, four Nones, temperature, the three
     knobs and the floor."""
     logits, temperature, knobs, floor = tensors[0], tensors[5], tensors[6:9], tensors[9]
-    return truncation_ops.truncated_forward(logits, target, temperature, knobs, floor, local.wanted, local.backend)[1]
+    return truncation_ops.truncated_forward(logits, target, temperature, knobs, floor, local.request, local.backend)[1]
 
 
-def _truncated_backward(local, target, own, tensors, stats, grads, want):
+def _truncated_backward(local, target, own, tensors, stats, grads, needs_grad):
     logits, temperature, floor = tensors[0], tensors[5], tensors[9]
     grad = truncation_ops.gradient(logits, target, temperature, floor, stats, grads, local.backend, label_here=own)
     return grad, None, None
@@ -258,7 +258,7 @@ class _Merged(torch.autograd.Function):
         projected = tensors[1] is not None or (local.kind == "statistics" and tensors[6] is not None)
         kernel_target, own = _localize(target, local.start, local.size, local.size if projected else 0)
         stats, backward_target = _global_stats(forward(local, kernel_target, tensors), target, kernel_target, own,
-                                               local.wanted, local.group)
+                                               local.request, local.group)
         ctx.save_for_backward(backward_target, own, *tensors, *stats)
         ctx.local = local
         ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
@@ -269,11 +269,11 @@ class _Merged(torch.autograd.Function):
     def backward(ctx, *grads):
         target, own, *rest = ctx.saved_tensors
         tensors, stats = rest[:-len(statistics.NAMES)], StreamStats(*rest[-len(statistics.NAMES):])
-        want = ctx.needs_input_grad[2:5]
+        needs_grad = ctx.needs_input_grad[2:5]
         _, backward = MERGED[ctx.local.kind]
-        d = backward(ctx.local, target, own, tensors, stats, dict(zip(statistics.NAMES, grads)), want)
+        d = backward(ctx.local, target, own, tensors, stats, dict(zip(statistics.NAMES, grads)), needs_grad)
         d = _hidden_summed(d, tensors, ctx.local.group)
-        return (None, None, *(g if w else None for g, w in zip(d, want)), *[None] * (len(tensors) - 3))
+        return (None, None, *(g if w else None for g, w in zip(d, needs_grad)), *[None] * (len(tensors) - 3))
 
 
 def merged(local: LocalPass, target, *tensors) -> StreamStats:
@@ -300,12 +300,12 @@ def _jsd_forward(local, target, tensors):
                           local.backend)
 
 
-def _jsd_backward(local, target, tensors, outputs, grads, want):
+def _jsd_backward(local, target, tensors, outputs, grads, needs_grad):
     policy, ref = Side(*tensors[:5]), Side(*tensors[5:10])
     temperature, lse, ref_lse, beta = tensors[10:14]
     coef = divergence.jsd_coefficients(grads[0], beta, temperature)
     return divergence.jsd_backward(policy, ref, _any_column(target), temperature, lse, ref_lse, beta, outputs[1],
-                                   coef, Want(*want), local.tile_elements, local.backend)
+                                   coef, NeedsGrad(*needs_grad), local.tile_elements, local.backend)
 
 
 def _columns_forward(local, target, tensors):
@@ -317,10 +317,10 @@ def _columns_forward(local, target, tensors):
     return (torch.where(own, logp, torch.zeros_like(logp)),)
 
 
-def _columns_backward(local, target, tensors, outputs, grads, want):
+def _columns_backward(local, target, tensors, outputs, grads, needs_grad):
     policy, (ids, temperature, lse) = Side(*tensors[:5]), tensors[5:8]
     own_ids, _ = _own_columns(ids, local.start, local.size)
-    return divergence.column_gradients(policy, ids, own_ids, _any_column(target), temperature, lse, grads[0], want,
+    return divergence.column_gradients(policy, ids, own_ids, _any_column(target), temperature, lse, grads[0], needs_grad,
                                        local.tile_elements, local.backend)
 
 
@@ -328,7 +328,7 @@ def _values_forward(local, target, tensors):
     return (tensors[0],)
 
 
-def _values_backward(local, target, tensors, outputs, grads, want):
+def _values_backward(local, target, tensors, outputs, grads, needs_grad):
     return grads[0], None, None
 
 
@@ -356,38 +356,38 @@ class _Summed(torch.autograd.Function):
     def backward(ctx, *grads):
         target, *rest = ctx.saved_tensors
         tensors, outputs = rest[:ctx.n_tensors], rest[ctx.n_tensors:]
-        want = ctx.needs_input_grad[2:5]
-        if grads[0] is None or not any(want):
+        needs_grad = ctx.needs_input_grad[2:5]
+        if grads[0] is None or not any(needs_grad):
             return (None,) * (2 + ctx.n_tensors)
         _, backward = SUMMED[ctx.local.kind]
-        d = _hidden_summed(backward(ctx.local, target, tensors, outputs, grads, want), tensors, ctx.local.group)
-        return (None, None, *(g if w else None for g, w in zip(d, want)), *[None] * (ctx.n_tensors - 3))
+        d = _hidden_summed(backward(ctx.local, target, tensors, outputs, grads, needs_grad), tensors, ctx.local.group)
+        return (None, None, *(g if w else None for g, w in zip(d, needs_grad)), *[None] * (ctx.n_tensors - 3))
 
 
 def summed(local: LocalPass, target, *tensors):
     return _Summed.apply(local, target, *tensors)
 
 
-def _pass(kind, shard: VocabShard, wanted, tile_elements, backend) -> LocalPass:
-    return LocalPass(kind, shard.group, shard.start, shard.size, wanted, tile_elements, backend)
+def _pass(kind, shard: VocabShard, request, tile_elements, backend) -> LocalPass:
+    return LocalPass(kind, shard.group, shard.start, shard.size, request, tile_elements, backend)
 
 
-def shard_statistics(policy: Side, ref: Optional[Side], target, temperature, wanted, tile_elements, backend,
+def shard_statistics(policy: Side, ref: Optional[Side], target, temperature, request, tile_elements, backend,
                      shard: VocabShard) -> StreamStats:
     """The statistics of the full rows from this rank's shard (``policy`` / ``ref``: dense logits shards or LM heads
     with weight shards); ``target`` holds global ids. Every rank of ``shard.group`` calls it with the same hidden
     states, ``target``, ``temperature`` and request."""
     ref = ref if ref is not None else Side(None, None, None, None, None)
-    return merged(_pass("statistics", shard, wanted, tile_elements, backend), target, *policy, *ref, temperature)
+    return merged(_pass("statistics", shard, request, tile_elements, backend), target, *policy, *ref, temperature)
 
 
-def shard_truncated(logits, target, temperature, knobs, wanted, backend, shard: VocabShard) -> StreamStats:
+def shard_truncated(logits, target, temperature, knobs, request, backend, shard: VocabShard) -> StreamStats:
     """``truncation`` statistics (recompute mode) of the full rows from this rank's shard ``logits [..., V_local]``;
     every rank of ``shard.group`` calls it with the same ``target``, ``temperature`` and knobs."""
     from kltriton.sharded_floor import shard_floor
 
     floor = shard_floor(logits, target, temperature, knobs, shard.group)
-    return merged(_pass("truncated", shard, wanted, 0, backend), target, logits, None, None, None, None, temperature,
+    return merged(_pass("truncated", shard, request, 0, backend), target, logits, None, None, None, None, temperature,
                   *knobs, floor)
 
 

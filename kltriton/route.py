@@ -48,7 +48,7 @@ from kltriton.ops import divergence as divergence_ops
 from kltriton.ops import loss as loss_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 
 
 def family(call: Call) -> str:
@@ -61,27 +61,27 @@ def backend(call: Call, family_name: Optional[str] = None) -> str:
     return dispatch.resolve(call.backend, family_name or family(call), call.device.type, call.dtype == torch.float64)
 
 
-def _want(call: Call) -> Want:
+def _want(call: Call) -> NeedsGrad:
     """Which of the policy's hidden states (or logits), weight and bias get a gradient in a forward that writes it."""
-    return Want(*(torch.is_grad_enabled() and t is not None and t.requires_grad for t in call.policy[:3]))
+    return NeedsGrad(*(torch.is_grad_enabled() and t is not None and t.requires_grad for t in call.policy[:3]))
 
 
-def statistics(call: Call, wanted: int) -> StreamStats:
+def statistics(call: Call, request: int) -> StreamStats:
     """``StreamStats`` (``[N]``) of the call's policy (and reference, no gradient) at its targets, differentiable
     w.r.t. the policy's logits or hidden states, weight and bias. With a truncation, of the policy's truncated
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
     if call.truncation is not None:
-        return truncated_statistics(call._replace(ref=None), wanted)
-    args = (call.policy, call.ref, call.layout.target, call.temperature, wanted, call.tile_elements, backend(call))
+        return truncated_statistics(call._replace(ref=None), request)
+    args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
     return StreamStats(*statistics_ops.statistics(*args))
 
 
-def reference_statistics(call: Call, wanted: int) -> StreamStats:
+def reference_statistics(call: Call, request: int) -> StreamStats:
     """``statistics`` of the reference side alone (its own pass, no gradient)."""
     with torch.no_grad():
-        return statistics(call._replace(policy=call.ref, ref=None, truncation=None), wanted)
+        return statistics(call._replace(policy=call.ref, ref=None, truncation=None), request)
 
 
 def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
@@ -92,20 +92,20 @@ def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
     return "fused" if fused else "two-pass"
 
 
-def fused_loss(call: Call, inputs, hp, loss_type, estimator: str, entropy_grad: bool, with_entropy: bool = True,
+def fused_loss(call: Call, inputs, hyperparameters, loss_type, estimator: str, entropy_grad: bool, with_entropy: bool = True,
                entropy_quantile: Optional[float] = None):
     """``(loss, StreamStats, threshold)`` of the ``loss`` family, the gradient written in the forward (only what
     requires grad gets one). ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile, else NaN)."""
     quantile = None if entropy_quantile is None else torch.ones((), dtype=torch.float64,
                                                                 device=call.device) * entropy_quantile
     name = backend(call, "loss" if call.policy.weight is None else "linear")
-    out = loss_ops.loss(call.policy, call.ref, call.layout.target, call.temperature, inputs, hp, loss_type, estimator,
+    out = loss_ops.loss(call.policy, call.ref, call.layout.target, call.temperature, inputs, hyperparameters, loss_type, estimator,
                         entropy_grad, _want(call), with_entropy, quantile, call.tile_elements, name)
     return out[0], StreamStats(*out[1:1 + len(table.NAMES)]), out[1 + len(table.NAMES)]
 
 
-def truncated_statistics(call: Call, wanted: int) -> StreamStats:
-    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``wanted`` asks) of the truncated distribution of the
+def truncated_statistics(call: Call, request: int) -> StreamStats:
+    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``request`` asks) of the truncated distribution of the
     call's policy (a tensor or an LM head, local or a vocab shard) at its targets. Differentiable like
     ``statistics``."""
     layout, device, shard, side = call.layout, call.device, call.shard, call.policy
@@ -129,14 +129,14 @@ def truncated_statistics(call: Call, wanted: int) -> StreamStats:
             values = parallel.sum_over_ranks(torch.where(own, values, torch.zeros_like(values)), group)
         here, column = replay.label_in(kept, target)
         label_value = values.gather(1, column[:, None]).squeeze(1)
-        return replay.statistics_of(values, kept.valid, here, label_value, target, temperature, wanted)
+        return replay.statistics_of(values, kept.valid, here, label_value, target, temperature, request)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
     name = backend(call, "truncation")
 
     def dense(rows, row_target, row_temperature, row_knobs):
         if shard is not None:
-            return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, wanted, name, shard)
-        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, wanted, name)[1]
+            return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, request, name, shard)
+        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, request, name)[1]
 
     if side.weight is None:
         return dense(side.x, target, temperature, knobs)
@@ -167,7 +167,7 @@ def divergence(call: Call, kind: str, beta, entropy: bool):
     """``(divergence [N], entropy)`` of a dense teacher (logits or an LM head), differentiable w.r.t. the
     student; ``entropy`` the student's (``[0]`` unless asked for). ``kind``: a name of ``kernels.divergence.KINDS``."""
     stat = KINDS[kind]
-    stats = statistics(call, composed.wanted(kind, entropy))
+    stats = statistics(call, composed.statistics_request(kind, entropy))
     if stat is not None:
         return getattr(stats, stat), stats.entropy
     lse, ref_lse = stats.lse.detach(), stats.ref_lse.detach()

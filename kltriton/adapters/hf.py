@@ -65,7 +65,7 @@ def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None
         cu_seqlens: packed layout, ``[num_seqs + 1]`` offsets; position ids are derived from it.
         position_ids: optional, shape of ``input_ids``. Packed inputs are run with no 2-D mask so
             transformers isolates the sequences from the position ids (block-diagonal attention).
-        response_mask: optional bool, shape of ``input_ids``: the tokens whose log-prob is wanted
+        response_mask: optional bool, shape of ``input_ids``: the tokens whose log-prob is request
             (e.g. the response); position ``t`` is scored iff ``response_mask[t + 1]``.
         temperature: log-probs of ``softmax(logits / temperature)`` for both models.
         ref_model: optional reference causal LM; run without gradient.

@@ -42,7 +42,7 @@ class _Loss(NamedTuple):
     formula: str                       # a key of terms.FORMULAS (bypass_mode resolved)
     level: str                         # "token" / "sequence" importance sampling
     settings: terms.Settings           # the loss type's defaults and the keywords that override them
-    hp: torch.Tensor                   # float64 hyperparameter vector (terms.hyperparameters)
+    hyperparameters: torch.Tensor                   # float64 hyperparameter vector (terms.hyperparameters)
     estimator: Optional[estimators.Estimator]
     kl_coef: float
     entropy_coef: float
@@ -99,12 +99,12 @@ def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, c
     if not compute_entropy and (entropy_coef != 0.0 or quantile is not None):
         raise ValueError("compute_entropy=False leaves no entropy for entropy_coef or token_mask_entropy_quantile")
     scalar = lambda value: None if value is None else runtime_scalar(value, call.device)  # noqa: E731
-    hp = terms.hyperparameters(call.device, ratio_low=scalar(1.0 - clip_low), ratio_high=scalar(1.0 + clip_high),
+    hyperparameters = terms.hyperparameters(call.device, ratio_low=scalar(1.0 - clip_low), ratio_high=scalar(1.0 + clip_high),
                                dual_clip=scalar(settings.dual_clip), log_ratio_clamp=scalar(settings.log_ratio_clamp),
                                kl_clamp=scalar(kl_clamp), kl_ratio=scalar(float(bool(bias_correction))),
                                **{name: scalar(value) for name, value in settings.parameters.items()
                                   if isinstance(value, float)})
-    return _Loss(spec.formula, level, settings, hp, estimator, kl_coef, entropy_coef, bool(compute_entropy), quantile,
+    return _Loss(spec.formula, level, settings, hyperparameters, estimator, kl_coef, entropy_coef, bool(compute_entropy), quantile,
                  spec.all_sequences)
 
 
@@ -236,7 +236,7 @@ def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregatio
                                                                                                call.device).to(acc)
     w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
     inputs = LossInputs(rows.old, rows.adv, agg_pg * pg_weight, w_kl, w_ent, rows.ref_logp)
-    value, stats, threshold = route.fused_loss(call, inputs, loss.hp, loss.formula,
+    value, stats, threshold = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
                                                loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
                                                with_entropy=loss.compute_entropy, entropy_quantile=loss.quantile)
     keep = None if loss.quantile is None else rows.scored & (stats.entropy >= threshold)
@@ -246,10 +246,10 @@ def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregatio
 
 def _two_pass(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, sequences, acc) -> _Result:
     """The differentiable statistics; the weights that need the new log-probs; the formulas and autograd later."""
-    full = loss.estimator is not None and loss.estimator.needs_ref_logits
+    exact_kl = loss.estimator is not None and loss.estimator.needs_ref_logits
     scored, outside = rows.scored, None
     if call.truncation is not None:
-        if full:
+        if exact_kl:
             raise ValueError("kl_estimator='full' (the KL over the whole vocabulary) is not defined with a "
                              "truncation")
         stats = route.statistics(call, statistics.request(entropy=True))
@@ -260,7 +260,7 @@ def _two_pass(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, sequenc
         scored = scored & ~outside
     else:
         stats = route.statistics(call, statistics.request(entropy=loss.compute_entropy, ref=call.ref is not None,
-                                                          full_kl=full))
+                                                          full_kl=exact_kl))
     logp, pg_weight, importance, keep, threshold = stats.logp, rows.pg_weight, None, None, None
     if sampling.rollout is not None:
         importance = weights.importance_weights(logp.detach() if rows.old is None else rows.old, sampling.rollout,
@@ -322,9 +322,9 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
         stand_in = rows.old if rows.old is not None else torch.zeros_like(logp)
         logp = torch.where(outside, stand_in.to(logp.dtype), logp)
         ref_logp = torch.where(outside, stand_in.to(logp.dtype), ref_logp)
-    full = loss.estimator is not None and loss.estimator.needs_ref_logits
-    token = terms.token_terms(loss.formula, loss.estimator, logp, ref_logp, stats.full_kl if full else None, rows.old,
-                              rows.adv, loss.hp, scored, sequences.seq_index, sequences.num_seqs, level=loss.level,
+    exact_kl = loss.estimator is not None and loss.estimator.needs_ref_logits
+    token = terms.token_terms(loss.formula, loss.estimator, logp, ref_logp, stats.full_kl if exact_kl else None, rows.old,
+                              rows.adv, loss.hyperparameters, scored, sequences.seq_index, sequences.num_seqs, level=loss.level,
                               log_is=rows.log_is)
     if outside is not None:
         zero = torch.zeros_like(token.ratio)

@@ -55,7 +55,7 @@ def token_logprobs(
     call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
                  vocab_start=vocab_start, truncation=truncation)
-    wanted = statistics.request(entropy=bool(return_entropy))
-    stats = route.statistics(call, wanted)
+    request = statistics.request(entropy=bool(return_entropy))
+    stats = route.statistics(call, request)
     logp = stats.logp.view(call.layout.shape)
     return (logp, stats.entropy.view(call.layout.shape)) if return_entropy else logp

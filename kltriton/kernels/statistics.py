@@ -25,7 +25,7 @@ import torch
 from kltriton.kernels import constants
 
 # ``logp`` / ``ref_logp`` of a piece that does not hold the label (a real log-prob is <= 0 or NaN).
-NOT_HERE = float("inf")
+LABEL_ELSEWHERE = float("inf")
 
 
 class Pieces(NamedTuple):
@@ -69,7 +69,7 @@ def weighted_sum(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def _label_logp(label_logp: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """The label's global log-prob from the piece that holds it; NaN where no piece does. A piece without
     mass (``shift = -inf``, its local log-probs NaN) gives its label ``-inf``."""
-    here = label_logp != NOT_HERE
+    here = label_logp != LABEL_ELSEWHERE
     zero = torch.zeros((), dtype=shift.dtype, device=shift.device)
     held = torch.where(shift == float("-inf"), shift, label_logp + shift)
     value = torch.where(here, held, zero).sum(0).clamp(max=0)
@@ -153,29 +153,29 @@ def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False) -> int
             | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0))
 
 
-def present(wanted: int, name: str) -> bool:
-    """Whether a forward with request ``wanted`` computes statistic ``name``."""
+def present(request: int, name: str) -> bool:
+    """Whether a forward with request ``request`` computes statistic ``name``."""
     bit = SPECS[name].request
-    return bit == 0 or bool(wanted & bit)
+    return bit == 0 or bool(request & bit)
 
 
-def empty_stats(n: int, wanted: int, new: Callable) -> StreamStats:
-    """``StreamStats`` of ``new(n)`` for the statistics ``wanted`` computes and ``new(0)`` for the others."""
-    return StreamStats(*(new(n if present(wanted, name) else 0) for name in NAMES))
+def empty_stats(n: int, request: int, new: Callable) -> StreamStats:
+    """``StreamStats`` of ``new(n)`` for the statistics ``request`` computes and ``new(0)`` for the others."""
+    return StreamStats(*(new(n if present(request, name) else 0) for name in NAMES))
 
 
-def merge(local: dict, wanted: int) -> StreamStats:
+def merge(local: dict, request: int) -> StreamStats:
     """Whole-row ``StreamStats`` from ``local``: name -> ``[K, N]`` statistics of ``K`` contiguous vocab pieces
-    (``logp`` / ``ref_logp``: ``NOT_HERE`` on the pieces that do not hold the label). A row whose label lies in
+    (``logp`` / ``ref_logp``: ``LABEL_ELSEWHERE`` on the pieces that do not hold the label). A row whose label lies in
     no piece gets NaN log-probs; a row whose pieces are all ``-inf`` gets ``lse = -inf`` and NaN statistics,
     as the kernels do for a whole row."""
     lse = torch.logsumexp(local["lse"], 0)
     shift = local["lse"] - lse
     ref_shift = None
-    if wanted & constants.REF:
+    if request & constants.REF:
         ref_shift = local["ref_lse"] - torch.logsumexp(local["ref_lse"], 0)
     pieces = Pieces(local, shift, shift.exp(), ref_shift, None if ref_shift is None else ref_shift.exp())
-    return StreamStats(*(s.merge(pieces) if present(wanted, s.name) else shift.new_empty(0) for s in STATISTICS))
+    return StreamStats(*(s.merge(pieces) if present(request, s.name) else shift.new_empty(0) for s in STATISTICS))
 
 
 def gradient_basis(grads: dict, stats: StreamStats, temperature: torch.Tensor) -> Basis:

@@ -3,7 +3,7 @@
 An op declares its arguments once, as ``(name, kind)`` pairs. A kind is a schema type (``TENSOR``, ``OPTIONAL``,
 ``INT``, ``BOOL``, ``STR``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
 value: ``SIDE`` (a ``kltriton.kernels.linear.Side``: dense logits, or an LM head's hidden states, weight, bias,
-scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``WANT``
+scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``NEEDS_GRAD``
 (which of a side's hidden states or logits, weight and bias get a gradient), ``LOSS_INPUTS``. The schema lists a
 group's fields (``policy_x``, ``policy_weight``, ...), derived from the group's type, so no launcher, fake or
 caller lists them, and a new basis term changes no op.
@@ -24,7 +24,7 @@ from kltriton.kernels.statistics import Basis
 TENSOR, OPTIONAL, INT, BOOL, STR = "Tensor", "Tensor?", "int", "bool", "str"
 
 
-class Want(NamedTuple):
+class NeedsGrad(NamedTuple):
     """Which of a side's tensors get a gradient."""
     x: bool
     weight: bool
@@ -41,7 +41,7 @@ class Group(NamedTuple):
 
 SIDE = Group(Side, (OPTIONAL,) * len(Side._fields), optional=True)
 BASIS = Group(Basis, tuple(TENSOR if term in ("label", "p") else OPTIONAL for term in GRADIENT_BASIS))
-WANT = Group(Want, (BOOL,) * 3)
+NEEDS_GRAD = Group(NeedsGrad, (BOOL,) * 3)
 LOSS_INPUTS = Group(LossInputs, (OPTIONAL, TENSOR, TENSOR, TENSOR, TENSOR, OPTIONAL))
 assert Basis._fields == GRADIENT_BASIS
 

@@ -15,9 +15,9 @@ from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype, statistics
 from kltriton.kernels.linear import Side, tiles
 from kltriton.kernels.statistics import Basis
-from kltriton.ops._define import BOOL, INT, OPTIONAL, SIDE, STR, TENSOR, WANT, Want, define_op
+from kltriton.ops._define import BOOL, INT, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, NeedsGrad, define_op
 from kltriton.ops.loss import scaled_gradients
-from kltriton.ops.statistics import like_wanted
+from kltriton.ops.statistics import empty_gradients
 
 
 def _rows(like, n, count):
@@ -30,7 +30,7 @@ def _no_gradients(side, gradients):
 
 
 def _gradient_fake(args):
-    return like_wanted(args.policy, (True, False, False) if args.policy.weight is None else args.want)
+    return empty_gradients(args.policy, (True, False, False) if args.policy.weight is None else args.needs_grad)
 
 
 def jsd_coefficients(g: torch.Tensor, beta: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def _jsd_backward_kernel(args):
         return _no_gradients(args.policy, (grad, None, None))
     return _no_gradients(args.policy, dispatch.implementation("linear", args.backend).jsd_backward(
         args.policy, args.ref, args.target, args.temperature, args.lse, args.ref_lse, args.beta, args.kl_student,
-        args.coef, *args.want, args.tile_elements))
+        args.coef, *args.needs_grad, args.tile_elements))
 
 
 _JSD_INPUTS = (("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
@@ -63,23 +63,23 @@ _JSD_INPUTS = (("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperatur
 
 jsd_backward = define_op(
     "jsd_backward",
-    inputs=(*_JSD_INPUTS, ("kl_student", TENSOR), ("coef", TENSOR), ("want", WANT), ("tile_elements", INT),
+    inputs=(*_JSD_INPUTS, ("kl_student", TENSOR), ("coef", TENSOR), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT),
             ("backend", STR)),
     outputs=("d_x", "d_weight", "d_bias"), launch=_jsd_backward_kernel, fake=_gradient_fake)
 
 
-def jsd_gradients(saved, g, want):
+def jsd_gradients(saved, g, needs_grad):
     """``(d_x, d_weight, d_bias)`` of ``sum g * jsd`` from a ``jsd`` forward's saved state."""
     coef = jsd_coefficients(g, saved.beta, saved.temperature)
     return jsd_backward(saved.policy, saved.ref, saved.target, saved.temperature, saved.lse, saved.ref_lse,
-                        saved.beta, saved.kl_student, coef, Want(*want), saved.tile_elements, saved.backend)
+                        saved.beta, saved.kl_student, coef, NeedsGrad(*needs_grad), saved.tile_elements, saved.backend)
 
 
 def _jsd_autograd(saved, grads):
     if grads["jsd"] is None:
         return {}
-    want = saved.needs_grad["policy"][:3]
-    return {"policy": tuple(d if w else None for d, w in zip(jsd_gradients(saved, grads["jsd"], want), want))}
+    needs_grad = saved.needs_grad["policy"][:3]
+    return {"policy": tuple(d if w else None for d, w in zip(jsd_gradients(saved, grads["jsd"], needs_grad), needs_grad))}
 
 
 jsd = define_op(
@@ -91,15 +91,15 @@ jsd = define_op(
 
 # ------------------------------------------------------------------- a loss with its gradient in the forward
 def _loss(args):
-    policy, ref, want = args.policy, args.ref, args.want
+    policy, ref, needs_grad = args.policy, args.ref, args.needs_grad
     if policy.weight is None:
         stats, divergence, grad = dispatch.implementation("divergence", args.backend).loss_forward(
             policy.x, ref.x, args.target, args.temperature, args.kind, args.beta, args.weight, args.with_entropy,
-            want.x)
-        grads = (grad if want.x else None, None, None)
+            needs_grad.x)
+        grads = (grad if needs_grad.x else None, None, None)
     else:
         stats, divergence, *grads = dispatch.implementation("linear", args.backend).divergence_loss(
-            policy, ref, args.target, args.temperature, args.kind, args.beta, args.weight, args.with_entropy, *want,
+            policy, ref, args.target, args.temperature, args.kind, args.beta, args.weight, args.with_entropy, *needs_grad,
             args.tile_elements)
     return ((args.weight * divergence).sum(), divergence, stats.entropy, *_no_gradients(policy, grads))
 
@@ -108,10 +108,10 @@ def _loss_fake(args):
     policy, n = args.policy, args.target.shape[0]
     acc = accumulation_dtype(policy.x.dtype)
     if policy.weight is None:
-        grads = (policy.x.new_empty((n, policy.x.shape[-1])) if args.want.x else policy.x.new_empty(0),
+        grads = (policy.x.new_empty((n, policy.x.shape[-1])) if args.needs_grad.x else policy.x.new_empty(0),
                  policy.x.new_empty(0), policy.x.new_empty(0))
     else:
-        grads = like_wanted(policy, args.want)
+        grads = empty_gradients(policy, args.needs_grad)
     return (policy.x.new_empty((), dtype=acc), policy.x.new_empty(n, dtype=acc),
             policy.x.new_empty(n if args.with_entropy else 0, dtype=acc), *grads)
 
@@ -119,7 +119,7 @@ def _loss_fake(args):
 divergence_loss = define_op(
     "divergence_loss",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("weight", TENSOR),
-            ("kind", STR), ("beta", TENSOR), ("with_entropy", BOOL), ("want", WANT), ("tile_elements", INT),
+            ("kind", STR), ("beta", TENSOR), ("with_entropy", BOOL), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT),
             ("backend", STR)),
     outputs=("loss", "divergence", "entropy", "d_x", "d_weight", "d_bias"), launch=_loss, fake=_loss_fake,
     save=("policy", "backend", "d_x", "d_weight", "d_bias"),
@@ -180,7 +180,7 @@ def _columns_backward_kernel(args):
     policy, target, temperature, lse = args.policy, args.target, args.temperature, args.lse
     if policy.weight is not None:
         return _no_gradients(policy, dispatch.implementation("linear", args.backend).column_backward(
-            policy, target, temperature, lse, args.c_p, args.ids, args.c_columns, *args.want, args.tile_elements))
+            policy, target, temperature, lse, args.c_p, args.ids, args.c_columns, *args.needs_grad, args.tile_elements))
     basis = Basis(torch.zeros_like(args.c_p), args.c_p)
     grad = dispatch.implementation("stream", args.backend).backward(policy.x, None, target, temperature, lse, None,
                                                                     basis)
@@ -195,25 +195,25 @@ def _columns_backward_kernel(args):
 columns_backward = define_op(
     "columns_backward",
     inputs=(("policy", SIDE), ("ids", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
-            ("c_p", TENSOR), ("c_columns", TENSOR), ("want", WANT), ("tile_elements", INT), ("backend", STR)),
+            ("c_p", TENSOR), ("c_columns", TENSOR), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT), ("backend", STR)),
     outputs=("d_x", "d_weight", "d_bias"), launch=_columns_backward_kernel, fake=_gradient_fake)
 
 
-def column_gradients(policy, ids, own_ids, target, temperature, lse, g, want, tile_elements, backend):
+def column_gradients(policy, ids, own_ids, target, temperature, lse, g, needs_grad, tile_elements, backend):
     """``(d_x, d_weight, d_bias)`` of ``sum g * column log-probs`` (``g [N, K]`` at the global ``ids``); ``own_ids``:
     the columns this side holds (a vocab shard's local ids, ``-1`` elsewhere)."""
     c_p, c_columns = column_coefficients(g, ids, target, lse, temperature)
-    return columns_backward(policy, own_ids, target, temperature, lse, c_p, c_columns, Want(*want), tile_elements,
+    return columns_backward(policy, own_ids, target, temperature, lse, c_p, c_columns, NeedsGrad(*needs_grad), tile_elements,
                             backend)
 
 
 def _columns_autograd(saved, grads):
     if grads["logp"] is None:
         return {}
-    want = saved.needs_grad["policy"][:3]
+    needs_grad = saved.needs_grad["policy"][:3]
     d = column_gradients(saved.policy, saved.ids, saved.ids, saved.target, saved.temperature, saved.lse,
-                         grads["logp"], want, saved.tile_elements, saved.backend)
-    return {"policy": tuple(g if w else None for g, w in zip(d, want))}
+                         grads["logp"], needs_grad, saved.tile_elements, saved.backend)
+    return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
 
 
 columns = define_op(

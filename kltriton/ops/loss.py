@@ -11,18 +11,18 @@ from torch._subclasses.fake_tensor import is_fake
 
 from kltriton import dispatch, estimators
 from kltriton.kernels import accumulation_dtype, statistics
-from kltriton.kernels.loss import masked, terms, wanted
-from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, WANT, define_op
-from kltriton.ops.statistics import like_wanted
+from kltriton.kernels.loss import masked, statistics_request, terms
+from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
+from kltriton.ops.statistics import empty_gradients
 
 
-def loss_value(target, loss_type, estimator, stats, inputs, hp):
+def loss_value(target, loss_type, estimator, stats, inputs, hyperparameters):
     """The loss from a ``loss`` kernel's statistics and its ``LossInputs`` (the reference log-probs read from
     the reference logits where the kernel had them, else the given ones)."""
     ref_logp = stats.ref_logp if stats.ref_logp.shape == stats.logp.shape else inputs.ref_logp
     full_kl = stats.full_kl if estimator == "full" else None
     est = estimators.parse(estimator) if estimator else None
-    token = terms.token_terms(loss_type, est, stats.logp, ref_logp, full_kl, inputs.old_logp, inputs.advantages, hp,
+    token = terms.token_terms(loss_type, est, stats.logp, ref_logp, full_kl, inputs.old_logp, inputs.advantages, hyperparameters,
                               target >= 0)
     entropy = stats.entropy if stats.entropy.shape == stats.logp.shape else torch.zeros_like(stats.logp)
     return terms.objective(token, entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
@@ -32,45 +32,45 @@ def _forward(args):
     """``(loss, *statistics, threshold, d_x, d_weight, d_bias)``: dense logits through the ``loss`` family (its
     gradient is ``d_x``), an LM head through the ``linear`` family's ``loss_forward``. With ``entropy_quantile``,
     TRL's entropy mask (``masked.py``; ``threshold`` its quantile, else NaN)."""
-    policy, ref, inputs, hp, want = args.policy, args.ref, args.inputs, args.hyperparameters, args.want
+    policy, ref, inputs, hyperparameters, needs_grad = args.policy, args.ref, args.inputs, args.hyperparameters, args.needs_grad
     common = (args.target, args.temperature)
     dense = policy.weight is None
     impl = dispatch.implementation("loss" if dense else "linear", args.backend)
     threshold = policy.x.new_full((), float("nan"), dtype=torch.float32)
     if dense:
-        with_grad = want.x
+        with_grad = needs_grad.x
         ref_logits = None if ref is None else ref.x
         if args.entropy_quantile is None:
-            stats, grad = impl.forward(policy.x, ref_logits, *common, inputs, hp, args.loss_type, args.estimator,
+            stats, grad = impl.forward(policy.x, ref_logits, *common, inputs, hyperparameters, args.loss_type, args.estimator,
                                        args.entropy_grad, with_grad, args.with_entropy)
         else:
-            stats, grad, keep, threshold = masked.forward(impl, policy.x, ref_logits, *common, inputs, hp,
+            stats, grad, keep, threshold = masked.forward(impl, policy.x, ref_logits, *common, inputs, hyperparameters,
                                                           args.loss_type, args.estimator, with_grad,
                                                           args.entropy_quantile)
             inputs = inputs._replace(w_pg=inputs.w_pg * keep.to(inputs.w_pg.dtype))
         grads = (grad if with_grad else None, None, None)
     elif args.entropy_quantile is None:
-        stats, *grads = impl.loss_forward(policy, ref, *common, inputs, hp, args.loss_type, args.estimator,
-                                          args.entropy_grad, *want, args.tile_elements, args.with_entropy)
+        stats, *grads = impl.loss_forward(policy, ref, *common, inputs, hyperparameters, args.loss_type, args.estimator,
+                                          args.entropy_grad, *needs_grad, args.tile_elements, args.with_entropy)
     else:
-        stats, *grads, keep, threshold = masked.linear_forward(impl, policy, ref, *common, inputs, hp, args.loss_type,
-                                                               args.estimator, *want, args.tile_elements,
+        stats, *grads, keep, threshold = masked.linear_forward(impl, policy, ref, *common, inputs, hyperparameters, args.loss_type,
+                                                               args.estimator, *needs_grad, args.tile_elements,
                                                                args.entropy_quantile)
         inputs = inputs._replace(w_pg=inputs.w_pg * keep.to(inputs.w_pg.dtype))
     grads = tuple(policy.x.new_empty(0) if d is None else d for d in grads)  # no None or aliased outputs
-    return (loss_value(args.target, args.loss_type, args.estimator, stats, inputs, hp), *stats, threshold, *grads)
+    return (loss_value(args.target, args.loss_type, args.estimator, stats, inputs, hyperparameters), *stats, threshold, *grads)
 
 
 def _forward_fake(args):
     policy, n = args.policy, args.target.shape[0]
     new = lambda size: policy.x.new_empty(size, dtype=accumulation_dtype(policy.x.dtype))  # noqa: E731
-    stats = statistics.empty_stats(n, wanted(args.ref is not None, args.estimator,
+    stats = statistics.empty_stats(n, statistics_request(args.ref is not None, args.estimator,
                                              args.with_entropy or args.entropy_quantile is not None), new)
     if policy.weight is None:
-        grads = (policy.x.new_empty((n, policy.x.shape[-1])) if args.want.x else policy.x.new_empty(0),
+        grads = (policy.x.new_empty((n, policy.x.shape[-1])) if args.needs_grad.x else policy.x.new_empty(0),
                  policy.x.new_empty(0), policy.x.new_empty(0))
     else:
-        grads = like_wanted(policy, args.want)
+        grads = empty_gradients(policy, args.needs_grad)
     return (new(()), *stats, policy.x.new_empty((), dtype=torch.float32), *grads)
 
 
@@ -98,12 +98,12 @@ def scaled(grad, g_loss, backend):
 
 def scaled_gradients(saved, g_loss):
     """The gradients a forward wrote (``saved.d_x``, ``d_weight``, ``d_bias``) scaled by the upstream ``g_loss``, for
-    the policy tensors that want one (a dense policy's ``d_x`` is its logits gradient, ``[N, V]``)."""
+    the policy tensors that needs_grad one (a dense policy's ``d_x`` is its logits gradient, ``[N, V]``)."""
     if g_loss is None:
         return {}
-    policy, want = saved.policy, saved.needs_grad["policy"][:3]
+    policy, needs_grad = saved.policy, saved.needs_grad["policy"][:3]
     d = tuple(scaled(getattr(saved, name), g_loss, saved.backend) if w else None
-              for name, w in zip(("d_x", "d_weight", "d_bias"), want))
+              for name, w in zip(("d_x", "d_weight", "d_bias"), needs_grad))
     if policy.weight is None and d[0] is not None:
         d = (d[0].view(policy.x.shape), None, None)
     return {"policy": d}
@@ -113,7 +113,7 @@ loss = define_op(
     "loss",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("inputs", LOSS_INPUTS),
             ("hyperparameters", TENSOR), ("loss_type", STR), ("estimator", STR), ("entropy_grad", BOOL),
-            ("want", WANT), ("with_entropy", BOOL), ("entropy_quantile", OPTIONAL), ("tile_elements", INT),
+            ("needs_grad", NEEDS_GRAD), ("with_entropy", BOOL), ("entropy_quantile", OPTIONAL), ("tile_elements", INT),
             ("backend", STR)),
     outputs=("loss", *statistics.NAMES, "threshold", "d_x", "d_weight", "d_bias"), launch=_forward,
     fake=_forward_fake, save=("policy", "backend", "d_x", "d_weight", "d_bias"),

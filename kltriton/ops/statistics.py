@@ -13,7 +13,7 @@ from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype
 from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
-from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, WANT, Want, define_op
+from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, NeedsGrad, define_op
 
 
 def family(policy, ref) -> str:
@@ -26,13 +26,13 @@ def _forward(args):
     impl = dispatch.implementation(name, args.backend)
     if name == "stream":
         return tuple(impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target,
-                                  args.temperature, args.wanted))
-    return tuple(impl.forward(args.policy, args.ref, args.target, args.temperature, args.wanted, args.tile_elements))
+                                  args.temperature, args.request))
+    return tuple(impl.forward(args.policy, args.ref, args.target, args.temperature, args.request, args.tile_elements))
 
 
 def _forward_fake(args):
     acc = accumulation_dtype(args.policy.x.dtype)
-    return tuple(table.empty_stats(args.target.shape[0], args.wanted,
+    return tuple(table.empty_stats(args.target.shape[0], args.request,
                                    lambda size: args.policy.x.new_empty(size, dtype=acc)))
 
 
@@ -50,26 +50,26 @@ def _backward_kernel(args):
                              args.lse, args.ref_lse, args.basis)
         return _no_gradients(args.policy, (grad, None, None))
     return _no_gradients(args.policy, impl.backward(args.policy, args.ref, args.target, args.temperature, args.lse,
-                                                    args.ref_lse, args.basis, *args.want, args.tile_elements))
+                                                    args.ref_lse, args.basis, *args.needs_grad, args.tile_elements))
 
 
-def like_wanted(side, want):
-    """Empty tensors shaped like the wanted ones of the side's ``(x, weight, bias)`` (``[0]`` for the others)."""
+def empty_gradients(side, needs_grad):
+    """Empty tensors shaped like the ones request of the side's ``(x, weight, bias)`` (``[0]`` for the others)."""
     return tuple(t.new_empty(t.shape) if w and t is not None else side.x.new_empty(0)
-                 for t, w in zip((side.x, side.weight, side.bias), want))
+                 for t, w in zip((side.x, side.weight, side.bias), needs_grad))
 
 
 statistics_backward = define_op(
     "statistics_backward",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
-            ("ref_lse", OPTIONAL), ("basis", BASIS), ("want", WANT), ("tile_elements", INT), ("backend", STR)),
+            ("ref_lse", OPTIONAL), ("basis", BASIS), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT), ("backend", STR)),
     outputs=("d_x", "d_weight", "d_bias"), launch=_backward_kernel,
-    fake=lambda args: like_wanted(args.policy, (True, *args.want[1:]) if args.policy.weight is None else args.want))
+    fake=lambda args: empty_gradients(args.policy, (True, *args.needs_grad[1:]) if args.policy.weight is None else args.needs_grad))
 
 
-def gradients(policy, ref, target, temperature, tile_elements, backend, grads, stats, want, label_here=None):
+def gradients(policy, ref, target, temperature, tile_elements, backend, grads, stats, needs_grad, label_here=None):
     """``(d_x, d_weight, d_bias)`` of upstream gradients ``grads`` (statistic name -> ``[N]`` or None) on the
-    statistics ``stats`` of a forward of ``policy`` and ``ref`` (``want``: which of the three; the others come back
+    statistics ``stats`` of a forward of ``policy`` and ``ref`` (``needs_grad``: which of the three; the others come back
     empty). The reference is read only for the basis terms that need it (``Basis.reads_ref``). ``label_here``:
     ``[N]`` bool, the rows whose label this vocab shard holds (the label term on those only)."""
     basis = table.gradient_basis(grads, stats, temperature)
@@ -77,20 +77,20 @@ def gradients(policy, ref, target, temperature, tile_elements, backend, grads, s
         basis = basis._replace(label=torch.where(label_here, basis.label, 0))
     with_ref = basis.reads_ref()
     return statistics_backward(policy, ref if with_ref else None, target, temperature, stats.lse,
-                               stats.ref_lse if with_ref else None, basis, Want(*want), tile_elements, backend)
+                               stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements, backend)
 
 
 def _backward(saved, grads):
-    want = saved.needs_grad["policy"][:3]
+    needs_grad = saved.needs_grad["policy"][:3]
     stats = StreamStats(*(getattr(saved, name) for name in table.NAMES))
     d = gradients(saved.policy, saved.ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
-                  grads, stats, want)
-    return {"policy": tuple(g if w else None for g, w in zip(d, want))}
+                  grads, stats, needs_grad)
+    return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
 
 
 statistics = define_op(
     "statistics",
-    inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("wanted", INT),
+    inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
             ("tile_elements", INT), ("backend", STR)),
     outputs=table.NAMES, launch=_forward, fake=_forward_fake,
     save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES), backward=_backward,

@@ -13,13 +13,13 @@ _ROWS = (("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR))
 
 def _forward(args):
     floor, stats = dispatch.implementation("truncation", args.backend).forward(
-        args.logits, args.target, args.temperature, args.top_k, args.top_p, args.min_p, args.floor, args.wanted)
+        args.logits, args.target, args.temperature, args.top_k, args.top_p, args.min_p, args.floor, args.request)
     return (floor.clone() if floor is args.floor else floor, *stats)  # an output may not alias an input
 
 
 def _forward_fake(args):
     acc = accumulation_dtype(args.logits.dtype)
-    stats = statistics.empty_stats(args.target.shape[0], args.wanted,
+    stats = statistics.empty_stats(args.target.shape[0], args.request,
                                    lambda size: args.logits.new_empty(size, dtype=acc))
     return (args.logits.new_empty(args.target.shape, dtype=torch.float32), *stats)
 
@@ -61,15 +61,15 @@ def _backward(saved, grads):
 
 _forward_op = define_op(
     "truncated_forward",
-    inputs=(*_ROWS, ("top_k", TENSOR), ("top_p", TENSOR), ("min_p", TENSOR), ("floor", OPTIONAL), ("wanted", INT),
+    inputs=(*_ROWS, ("top_k", TENSOR), ("top_p", TENSOR), ("min_p", TENSOR), ("floor", OPTIONAL), ("request", INT),
             ("backend", STR)),
     outputs=("kept_floor", *statistics.NAMES), launch=_forward, fake=_forward_fake,
     save=("logits", "target", "temperature", "kept_floor", "backend", *statistics.NAMES), backward=_backward,
     materialize_grads=False)
 
 
-def truncated_forward(logits, target, temperature, knobs, floor, wanted: int, backend: str):
+def truncated_forward(logits, target, temperature, knobs, floor, request: int, backend: str):
     """``(floor [N], StreamStats)`` of the rows restricted to their kept set: ``floor`` None finds it from ``knobs``
     (``kltriton.truncation.RowKnobs``) row by row, a given ``floor`` is used as it is."""
-    out = _forward_op(logits, target, temperature, *knobs, floor, wanted, backend)
+    out = _forward_op(logits, target, temperature, *knobs, floor, request, backend)
     return out[0], statistics.StreamStats(*out[1:])

@@ -17,7 +17,7 @@ from kltriton.kernels import SKIP
 from kltriton.kernels.linear import tiles
 from kltriton.kernels import statistics
 from kltriton.kernels.linear import Side
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 from kltriton.ops.statistics import statistics as statistics_op, statistics_backward
 from helpers import EPS32, STORE_RTOL, assert_close, grad_tols, random_labels, value_atol
 
@@ -247,7 +247,7 @@ def op_samples(backend):
                           1 << 20, backend)
     basis = statistics.gradient_basis({"logp": torch.randn(6), "entropy": torch.randn(6), "full_kl": torch.randn(6)},
                                       statistics.StreamStats(*stats), torch.tensor(1.0, dtype=torch.float64))
-    yield statistics_backward, (policy, ref, target, scalar(1.0), stats[1], stats[4], basis, Want(True, True, True),
+    yield statistics_backward, (policy, ref, target, scalar(1.0), stats[1], stats[4], basis, NeedsGrad(True, True, True),
                                 SMALL_TILE, backend)
 
 

@@ -11,7 +11,7 @@ from helpers import MIXED_GRAD_RTOL, assert_close, random_logits
 from kltriton.kernels.loss import terms
 from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import LossInputs
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 from kltriton.ops.loss import loss, loss_scale_
 
 B, T, V = 3, 7, 67
@@ -366,7 +366,7 @@ def fused_args(backend, with_grad=True, quantile=None):
     inputs = LossInputs(d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, (-0.01 if q is None else 0.0) * w, None)
     return loss.flatten(Side(d.logits.clone().requires_grad_(), None, None, None, None),
                         Side(d.ref, None, None, None, None), target, torch.tensor(1.0, dtype=torch.float64), inputs, hp,
-                        "ppo", "k3", q is None, Want(with_grad, False, False), True, q, 0, backend)
+                        "ppo", "k3", q is None, NeedsGrad(with_grad, False, False), True, q, 0, backend)
 
 
 @pytest.mark.parametrize("quantile", [None, 0.6])
@@ -520,7 +520,7 @@ def linear_fused_args(backend):
     inputs = LossInputs(d.old.reshape(-1), d.adv.reshape(-1), w, 0.1 * w, -0.01 * w, None)
     return (Side(d.hidden.clone().requires_grad_(), d.weight.clone().requires_grad_(), d.bias, scalar(0.5),
                  scalar(20.0)), Side(d.hidden, d.ref_weight, None, None, None), target, scalar(1.0), inputs, hp,
-            "ppo", "full", True, Want(True, True, False), True, None, 40 * 151, backend)
+            "ppo", "full", True, NeedsGrad(True, True, False), True, None, 40 * 151, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp"])

@@ -13,7 +13,7 @@ from kltriton import dispatch
 from kltriton.kernels import SKIP, statistics
 from kltriton.kernels.linear import Side
 from kltriton.ops import divergence as ops
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 
 CASES = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.0), ("jsd", 0.1), ("jsd", 0.5), ("jsd", 0.9),
          ("jsd", 1.0)]
@@ -443,11 +443,11 @@ def op_samples(backend):
     jsd, kl = dispatch.implementation("divergence", backend).forward(logits.detach(), ref, target, temp(0.9), lse,
                                                                      ref_lse, beta)
     yield ops.jsd_backward, (dense(logits.detach()), dense(ref), target, temp(0.9), lse, ref_lse, beta, kl,
-                             torch.randn(6), Want(True, False, False), 0, backend)
+                             torch.randn(6), NeedsGrad(True, False, False), 0, backend)
     weight = torch.rand(6)
     for kind in ("forward_kl", "reverse_kl", "jsd"):
         yield ops.divergence_loss, (dense(logits), dense(ref), target, temp(0.9), weight, kind, beta, True,
-                                    Want(True, False, False), 0, backend)
+                                    NeedsGrad(True, False, False), 0, backend)
     ids = torch.randint(0, vocab, (6, 4))
     ids[0, 2] = -1
     yield ops.columns, (dense(logits), ids, target, temp(0.9), stats.lse, False, 1 << 20, backend)
@@ -456,11 +456,11 @@ def op_samples(backend):
     lin_lse = torch.logsumexp(F.linear(hidden.detach(), w.detach()).view(6, vocab) / 0.9, -1)
     yield ops.columns, (Side(hidden, w, b, None, None), ids, target, temp(0.9), None, True, 1 << 20, backend)
     yield ops.columns_backward, (Side(hidden.detach(), w.detach(), b, None, None), ids, target, temp(0.9), lin_lse,
-                                 torch.randn(6), torch.randn(6, 4), Want(True, True, False), 1 << 20, backend)
+                                 torch.randn(6), torch.randn(6, 4), NeedsGrad(True, True, False), 1 << 20, backend)
     yield ops.jsd, (Side(hidden, w, b, None, None), dense(ref), target, temp(0.9), lin_lse, ref_lse, beta, 1 << 20,
                     backend)
     yield ops.divergence_loss, (Side(hidden, w, b, None, None), dense(ref), target, temp(0.9), weight, "jsd", beta,
-                                False, Want(True, True, False), 1 << 20, backend)
+                                False, NeedsGrad(True, True, False), 1 << 20, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])

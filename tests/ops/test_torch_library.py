@@ -9,7 +9,7 @@ from kltriton import dispatch
 from kltriton.kernels import SKIP
 from kltriton.kernels import statistics
 from kltriton.kernels.linear import Side
-from kltriton.ops._define import Want
+from kltriton.ops._define import NeedsGrad
 from kltriton.ops.statistics import statistics as statistics_op, statistics_backward
 
 
@@ -34,10 +34,10 @@ def op_samples(backend):
     g = torch.randn(6)
     full = statistics.gradient_basis({"logp": g, "entropy": g, "full_kl": g}, stats, scalar(1.0))
     yield statistics_backward, (dense(logits.detach()), dense(ref), target, scalar(1.0), stats.lse, stats.ref_lse, full,
-                                Want(True, False, False), 0, backend)
+                                NeedsGrad(True, False, False), 0, backend)
     plain = statistics.gradient_basis({"logp": g}, stats, scalar(0.8))
     yield statistics_backward, (dense(logits.detach()), None, target, scalar(0.8), stats.lse, None, plain,
-                                Want(True, False, False), 0, backend)
+                                NeedsGrad(True, False, False), 0, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])

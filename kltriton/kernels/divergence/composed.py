@@ -11,7 +11,7 @@ from kltriton.kernels import statistics
 from kltriton.kernels.divergence import KINDS
 
 
-def wanted(kind: str, entropy: bool) -> int:
+def statistics_request(kind: str, entropy: bool) -> int:
     """The ``stream`` request of a ``kind`` divergence (the JSD needs both log-sum-exps only)."""
     stat = KINDS[kind]
     return statistics.request(entropy=entropy, ref=True, full_kl=stat == "full_kl", forward_kl=stat == "forward_kl")
@@ -22,12 +22,12 @@ def bind(stream, forward, backward):
     ``forward`` / ``backward``."""
 
     def loss_forward(logits, ref_logits, target, temperature, kind, beta, weight, entropy, with_grad):
-        """``(StreamStats, divergence [N], grad)``: the ``stream`` statistics of ``wanted(kind, entropy)``, the
+        """``(StreamStats, divergence [N], grad)``: the ``stream`` statistics of ``statistics_request(kind, entropy)``, the
         per-row divergence, and the gradient of ``sum_n weight_n * divergence_n`` w.r.t. ``logits`` as a
         contiguous ``[N, V]`` in ``logits.dtype`` (``[0, V]`` without ``with_grad``)."""
         vocab = logits.shape[-1]
         stat = KINDS[kind]
-        stats = stream.forward(logits, ref_logits, target, temperature, wanted(kind, entropy))
+        stats = stream.forward(logits, ref_logits, target, temperature, statistics_request(kind, entropy))
         if stat is None:
             divergence, kl_student = forward(logits, ref_logits, target, temperature, stats.lse, stats.ref_lse, beta)
         else:

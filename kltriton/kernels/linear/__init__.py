@@ -9,16 +9,16 @@ are merged with ``kltriton.kernels.statistics.merge``). ``reference.py``, ``cpp.
 only in that ``stream`` kernel; they support what their ``stream`` kernel supports (float64: the
 reference only). Each module provides:
 
-``forward(policy, ref, target, temperature, wanted, tile_elements) -> StreamStats``
+``forward(policy, ref, target, temperature, request, tile_elements) -> StreamStats``
     policy:  a ``Side``: ``x`` is hidden ``[..., H]`` with ``weight [V, H]`` (``bias [V]`` or None,
              ``scale`` / ``softcap`` 0-dim float64 tensors or None), or ``x`` is dense logits
              ``[..., V]`` with ``weight=None`` (the other side is then a projection).
              The logits it stands for: ``softcap * tanh(scale * (x @ weight.T + bias) / softcap)``.
     ref:     a ``Side`` or None (same leading shape and ``V`` as ``policy``).
-    target, temperature, wanted: as in ``kltriton.kernels.stream`` (``N`` = rows of ``policy.x``). Only
+    target, temperature, request: as in ``kltriton.kernels.stream`` (``N`` = rows of ``policy.x``). Only
              rows with ``target >= 0`` are projected. A target ``>= V`` marks a label held by another
              vocab shard (``kltriton.parallel``): the row's statistics are computed and its ``logp`` /
-             ``ref_logp`` are ``NOT_HERE`` (``kltriton.kernels.statistics``).
+             ``ref_logp`` are ``LABEL_ELSEWHERE`` (``kltriton.kernels.statistics``).
     tile_elements: the working-tile budget: ``tile_rows * vocab_tile <= max(tile_elements, MIN_ROWS)``.
     Returns ``StreamStats`` as the ``stream`` family, in ``accumulation_dtype(policy.x.dtype)``.
 
@@ -27,7 +27,7 @@ tile_elements) -> (d_x, d_weight, d_bias)``
     The ``stream`` backward on the gradient ``basis`` per recomputed tile (the label term only in the
     tile, and on the shard, that holds the label), chained through softcap and scale, then
     ``d_x = d_logits @ weight``, ``d_weight = d_logits.T @ x``, ``d_bias = d_logits.sum(0)``
-    accumulated in fp32 and returned in the parameters' dtypes (``None`` where not wanted or
+    accumulated in fp32 and returned in the parameters' dtypes (``None`` where not request or
     absent; for a dense policy ``d_x`` is the logits gradient). ``ref`` gets no gradient.
 
 ``loss_forward(policy, ref, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad,
@@ -36,10 +36,10 @@ want_x, want_weight, want_bias, tile_elements) -> (StreamStats, d_x, d_weight, d
     ``estimator``, ``entropy_grad``; the loss types of ``terms.FUSED``, whose derivative is per row) on GEMM
     tiles of whole rows (``tiles.whole_rows``): per token tile, the logits tile, the backend's ``loss``
     kernel (statistics, then the tile's logits gradient), and the gradient's GEMMs into ``d_x`` /
-    ``d_weight`` / ``d_bias`` (as ``backward`` returns them; ``None`` where not wanted). Three GEMMs per tile instead of the four of
+    ``d_weight`` / ``d_bias`` (as ``backward`` returns them; ``None`` where not request). Three GEMMs per tile instead of the four of
     ``forward`` + ``backward`` (no recomputed logits), and no second pass over the rows.
 
-``column_forward(policy, target, temperature, wanted, ids, tile_elements) -> (StreamStats, column_logits)``
+``column_forward(policy, target, temperature, request, ids, tile_elements) -> (StreamStats, column_logits)``
 ``column_backward(policy, target, temperature, lse, c_p, ids, c_columns, want_x, want_weight, want_bias,
 tile_elements) -> (d_x, d_weight, d_bias)``
     A top-k teacher's columns (``kltriton.ops.divergence``): ``forward`` of the policy alone, and its logits at

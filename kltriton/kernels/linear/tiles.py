@@ -10,11 +10,11 @@ import torch
 from kltriton._env import env_int
 
 from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
-from kltriton.kernels.divergence.composed import wanted as divergence_wanted
+from kltriton.kernels.divergence.composed import statistics_request as divergence_request
 from kltriton.kernels.linear import scaled_and_capped
-from kltriton.kernels.loss import LossInputs, wanted as loss_wanted
+from kltriton.kernels.loss import LossInputs, statistics_request as loss_request
 from kltriton.kernels.rows import as_rows3d
-from kltriton.kernels.statistics import NOT_HERE, StreamStats
+from kltriton.kernels.statistics import LABEL_ELSEWHERE, StreamStats
 
 # Elements of one logits tile: 32 MiB of fp32 on CPU (a tile and its gradient stay well under eager's
 # [N, V]), 128 MiB on CUDA (large enough GEMMs for the tensor cores).
@@ -126,18 +126,18 @@ def bind(stream):
     """``(forward, backward, column_forward, column_backward)`` of the ``linear`` family on top of the ``stream``
     module ``stream``."""
 
-    def forward(policy, ref, target, temperature, wanted, tile_elements) -> StreamStats:
-        return _forward(policy, ref, target, temperature, wanted, tile_elements)[0]
+    def forward(policy, ref, target, temperature, request, tile_elements) -> StreamStats:
+        return _forward(policy, ref, target, temperature, request, tile_elements)[0]
 
-    def column_forward(policy, target, temperature, wanted, ids, tile_elements):
+    def column_forward(policy, target, temperature, request, ids, tile_elements):
         """``(StreamStats, column_logits)``: ``forward`` of the policy alone, and its logits (scale and softcap
         applied) at ``ids [N, K]`` (``-1`` padding: ``-inf``; 0 on unscored rows) gathered from the same tiles."""
-        return _forward(policy, None, target, temperature, wanted, tile_elements, ids)
+        return _forward(policy, None, target, temperature, request, tile_elements, ids)
 
-    def _forward(policy, ref, target, temperature, wanted, tile_elements, ids=None):
+    def _forward(policy, ref, target, temperature, request, tile_elements, ids=None):
         n, vocab = target.numel(), _vocab(policy)
         acc = accumulation_dtype(policy.x.dtype)
-        out = statistics.empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=target.device))
+        out = statistics.empty_stats(n, request, lambda size: torch.zeros(size, dtype=acc, device=target.device))
         columns = None if ids is None else torch.zeros(ids.shape, dtype=acc, device=target.device)
         tile_rows, vocab_tile = plan(vocab, tile_elements)
         buffer = torch.empty(tile_rows * vocab_tile, dtype=acc, device=target.device)
@@ -147,7 +147,7 @@ def bind(stream):
             pol = _TileSide(policy, padded, acc)
             rfs = _TileSide(ref, padded, acc) if ref is not None else None
             tile_ids = None if ids is None else ids[padded]
-            stats, tile_columns = _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer,
+            stats, tile_columns = _vocab_tiled_forward(pol, rfs, tgt, temp, request, vocab, vocab_tile, buffer,
                                                        ref_buffer, tile_ids)
             for dst, src in zip(out, stats):
                 if dst.numel():
@@ -159,9 +159,9 @@ def bind(stream):
             columns.masked_fill_((target >= 0)[:, None] & (ids < 0), float("-inf"))
         return out, columns
 
-    def _vocab_tiled_forward(pol, rfs, tgt, temp, wanted, vocab, vocab_tile, buffer, ref_buffer, ids):
+    def _vocab_tiled_forward(pol, rfs, tgt, temp, request, vocab, vocab_tile, buffer, ref_buffer, ids):
         """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``, and the
-        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives ``NOT_HERE``
+        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives ``LABEL_ELSEWHERE``
         log-probs."""
         parts, held = [], []
         columns = None if ids is None else torch.zeros(ids.shape, dtype=buffer.dtype, device=buffer.device)
@@ -170,21 +170,21 @@ def bind(stream):
             local, inside = _local_target(tgt, v0, v1 - v0)
             ref_tile = rfs.logits(v0, v1, ref_buffer) if rfs is not None else None
             tile = pol.logits(v0, v1, buffer)
-            parts.append(stream.forward(tile, ref_tile, local, temp, wanted))
+            parts.append(stream.forward(tile, ref_tile, local, temp, request))
             held.append(inside)
             if ids is not None:
                 here, cols = _tile_columns(ids, v0, v1)
                 columns = torch.where(here, tile.gather(1, cols), columns)
         inside = torch.stack(held)
         pieces = {name: torch.stack([getattr(p, name) for p in parts]) for name in statistics.NAMES
-                  if statistics.present(wanted, name)}
+                  if statistics.present(request, name)}
         for name in ("logp", "ref_logp"):
             if name in pieces:
-                pieces[name] = torch.where(inside, pieces[name], NOT_HERE)
+                pieces[name] = torch.where(inside, pieces[name], LABEL_ELSEWHERE)
         if len(parts) == 1:
             return StreamStats(*(pieces[name][0] if name in pieces else getattr(parts[0], name)
                                  for name in statistics.NAMES)), columns
-        return statistics.merge(pieces, wanted), columns
+        return statistics.merge(pieces, request), columns
 
     def column_backward(policy, target, temperature, lse, c_p, ids, c_columns, want_x, want_weight, want_bias,
                         tile_elements):
@@ -242,16 +242,16 @@ def whole_rows(vocab: int, tile_elements: int) -> int:
 def bind_loss(loss):
     """``loss_forward`` of the ``linear`` family on top of the ``loss`` module ``loss``."""
 
-    def loss_forward(policy, ref, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, want_x,
+    def loss_forward(policy, ref, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad, want_x,
                      want_weight, want_bias, tile_elements, with_entropy=True):
         acc = accumulation_dtype(policy.x.dtype)
-        stats = statistics.empty_stats(target.numel(), loss_wanted(ref is not None, estimator, with_entropy),
+        stats = statistics.empty_stats(target.numel(), loss_request(ref is not None, estimator, with_entropy),
                                        lambda size: torch.zeros(size, dtype=acc, device=target.device))
         with_grad = want_x or want_weight or want_bias
 
         def tile_grad(tile, ref_tile, local, inside, temp, padded, idx, m, v0):
             tile_in = LossInputs(*(None if t is None else t[padded] for t in inputs))
-            part, grad = loss.forward(tile, ref_tile, local, temp, tile_in, hp, loss_type, estimator, entropy_grad,
+            part, grad = loss.forward(tile, ref_tile, local, temp, tile_in, hyperparameters, loss_type, estimator, entropy_grad,
                                       with_grad, with_entropy)
             for dst, src in zip(stats, part):
                 if dst.numel():
@@ -314,7 +314,7 @@ def bind_divergence(divergence):
         n = target.numel()
         acc = accumulation_dtype(policy.x.dtype)
         new = lambda size: torch.zeros(size, dtype=acc, device=target.device)  # noqa: E731
-        stats = statistics.empty_stats(n, divergence_wanted(kind, entropy), new)
+        stats = statistics.empty_stats(n, divergence_request(kind, entropy), new)
         values = new(n)
         with_grad = want_x or want_weight or want_bias
 
@@ -402,7 +402,7 @@ def _nan_at_out_of_range(stats, target):
             dst.masked_fill_(bad, float("nan"))
 
 
-def gradient_tiles(policy, ref, target, temperature, ok, shape, want, tile_grad):
+def gradient_tiles(policy, ref, target, temperature, ok, shape, needs_grad, tile_grad):
     """``(d_x, d_weight, d_bias)`` of the policy side from the logits gradient of each working tile.
 
     The rows where ``ok`` are projected in tiles of ``shape = (tile_rows, vocab_tile)`` (the reference's too, when
@@ -411,13 +411,13 @@ def gradient_tiles(policy, ref, target, temperature, ok, shape, want, tile_grad)
     rows ``idx``, the first ``m`` of the token tile ``padded``), with ``local`` / ``inside`` the tile's targets and
     whether it holds the label (``_local_target``), ``v0`` its first vocab id. The gradient is chained through softcap and scale, then
     ``d_x = grad @ weight``, ``d_weight = grad.T @ x``, ``d_bias = grad.sum(0)`` accumulated in fp32, one gradient
-    tile at a time. ``want``: ``(want_x, want_weight, want_bias)``; None where not wanted or absent (for a dense
+    tile at a time. ``needs_grad``: ``(want_x, want_weight, want_bias)``; None where not request or absent (for a dense
     policy, ``d_x`` is the logits gradient)."""
     vocab = _vocab(policy)
     acc = accumulation_dtype(policy.x.dtype)
     device = target.device
     dense = policy.weight is None
-    want_x, want_weight, want_bias = want
+    want_x, want_weight, want_bias = needs_grad
     want_weight = want_weight and not dense
     want_bias = want_bias and not dense and policy.bias is not None
     d_x = torch.zeros(policy.x.shape, dtype=policy.x.dtype, device=device) if want_x else None

@@ -11,7 +11,7 @@ writes the logits gradient. Two routes, one contract:
 - the fused kernels (``cpp.py``: CPU; ``triton.py``: CUDA, or CPU under ``TRITON_INTERPRET=1``): per row, the
   statistics, the row's coefficients, then its gradient while the row is still in cache, so the logits are
   read from memory once. The cases a kernel does not take (C++: a reference in another dtype; Triton: no
-  gradient wanted) run ``composed`` on the backend's own stream kernels.
+  gradient request) run ``composed`` on the backend's own stream kernels.
 
 Loss types whose derivative needs whole sequences or batch statistics (``terms.SEQUENCE``, ``terms.BATCH``)
 are not members: ``kltriton.route`` sends them to the two-pass route (statistics, formulas, autograd). The
@@ -63,10 +63,10 @@ class LossInputs(NamedTuple):
     ref_logp: Optional[torch.Tensor]   # given reference log-probs (None with ref_logits or no KL)
 
 
-def wanted(has_ref_logits: bool, estimator: str, entropy: bool = True) -> int:
+def statistics_request(has_ref_logits: bool, estimator: str, entropy: bool = True) -> int:
     """The statistics a loss forward computes: the entropy unless told not to, the reference pair with reference
     logits, the full KL for the ``"full"`` estimator."""
     return statistics.request(entropy=entropy, ref=has_ref_logits, full_kl=estimator == "full")
 
 
-__all__ = ["LossInputs", "constants", "wanted"]
+__all__ = ["LossInputs", "constants", "statistics_request"]

@@ -10,19 +10,19 @@ import torch
 
 from kltriton import estimators
 from kltriton.kernels import statistics
-from kltriton.kernels.loss import terms, wanted
+from kltriton.kernels.loss import statistics_request, terms
 
 
-def forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad,
+def forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad,
             with_grad, with_entropy=True):
     """``stream``: the ``kltriton.kernels.stream`` backend module to compose (its ``forward`` / ``backward``)."""
     stats = stream.forward(logits, ref_logits, target, temperature,
-                           wanted(ref_logits is not None, estimator, with_entropy))
+                           statistics_request(ref_logits is not None, estimator, with_entropy))
     if not with_grad:
         return stats, logits.new_empty((0, logits.shape[-1]))
     est = estimators.parse(estimator) if estimator else None
     ref_logp = stats.ref_logp if ref_logits is not None else inputs.ref_logp
-    g_logp, g_full_kl = terms.coefficients(loss_type, est, stats.logp, ref_logp, inputs, hp,
+    g_logp, g_full_kl = terms.coefficients(loss_type, est, stats.logp, ref_logp, inputs, hyperparameters,
                                            stats.full_kl if est is not None and est.needs_ref_logits else None)
     grads = {"logp": g_logp, "entropy": inputs.w_ent if entropy_grad else None, "full_kl": g_full_kl}
     basis = statistics.gradient_basis(grads, stats, temperature)

@@ -20,30 +20,30 @@ def _f32(tensor):
     return None if tensor is None else tensor.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad,
+def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad, with_grad,
             with_entropy=True):
     if ref_logits is not None and ref_logits.dtype != logits.dtype:
-        return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
+        return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator,
                                 entropy_grad, with_grad, with_entropy)
     cpp_library.load()
     est = estimators.parse(estimator) if estimator else None
     outs = torch.ops.kltriton_cpp.loss_forward(
         as_rows3d(logits.detach()), None if ref_logits is None else as_rows3d(ref_logits.detach()), target,
         temperature, _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg), _f32(inputs.w_kl),
-        _f32(inputs.w_ent), _f32(inputs.ref_logp), hp.to(torch.float64).contiguous(), loss_type,
+        _f32(inputs.w_ent), _f32(inputs.ref_logp), hyperparameters.to(torch.float64).contiguous(), loss_type,
         est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),
         bool(with_entropy))
     return StreamStats(*outs[:-1]), outs[-1]
 
 
-def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator, full_kl=None):
+def coefficients(logp, ref_logp, inputs, hyperparameters, loss_type, estimator, full_kl=None):
     """``d loss / d logp`` per row from the C++ ``row_g_logp`` (for the parity test of the three
     implementations, ``tests/kernels/test_loss_coefficients.py``)."""
     cpp_library.load()
     est = estimators.parse(estimator) if estimator else None
     return torch.ops.kltriton_cpp.loss_coefficients(
         _f32(logp), _f32(ref_logp), _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg),
-        _f32(inputs.w_kl), _f32(full_kl), hp.to(torch.float64).contiguous(), loss_type, est.base if est else "",
+        _f32(inputs.w_kl), _f32(full_kl), hyperparameters.to(torch.float64).contiguous(), loss_type, est.base if est else "",
         bool(est and est.straight_through))
 
 

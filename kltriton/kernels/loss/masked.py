@@ -20,38 +20,38 @@ from kltriton.kernels import SKIP, statistics
 from kltriton.kernels.loss import terms
 
 
-def _kept_slopes(loss_type, stats, target, inputs, hp, quantile):
+def _kept_slopes(loss_type, stats, target, inputs, hyperparameters, quantile):
     """``(keep, threshold, g_logp)``: the mask, its quantile, and ``d loss / d logp`` of the masked term."""
     keep, threshold = terms.entropy_keep(stats.entropy, target >= 0, quantile.to(torch.float32))
     logp = stats.logp
     old = logp if inputs.old_logp is None else inputs.old_logp
-    slope = terms.SLOPES[loss_type](logp, old, inputs.advantages, hp.to(logp.dtype))
+    slope = terms.SLOPES[loss_type](logp, old, inputs.advantages, hyperparameters.to(logp.dtype))
     g_logp = torch.where(keep, inputs.w_pg * slope, torch.zeros_like(slope))
     return keep, threshold, g_logp
 
 
-def forward(impl, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, with_grad, quantile):
+def forward(impl, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, with_grad, quantile):
     """``(StreamStats, grad, keep, threshold)`` of the ``loss`` family with the entropy mask; ``impl`` a ``loss``
     backend module (``forward`` and ``accumulate_``), ``quantile`` a 0-dim tensor. The loss is
     ``sum(objective)`` with ``w_pg * keep``."""
     unmasked = inputs._replace(w_pg=torch.zeros_like(inputs.w_pg))
-    stats, grad = impl.forward(logits, ref_logits, target, temperature, unmasked, hp, loss_type, estimator, False,
+    stats, grad = impl.forward(logits, ref_logits, target, temperature, unmasked, hyperparameters, loss_type, estimator, False,
                                with_grad, True)
-    keep, threshold, g_logp = _kept_slopes(loss_type, stats, target, inputs, hp, quantile)
+    keep, threshold, g_logp = _kept_slopes(loss_type, stats, target, inputs, hyperparameters, quantile)
     if with_grad:
         basis = statistics.gradient_basis({"logp": g_logp}, stats, temperature)
         impl.accumulate_(grad, logits, target, temperature, stats.lse, basis)
     return stats, grad, keep, threshold
 
 
-def linear_forward(impl, policy, ref, target, temperature, inputs, hp, loss_type, estimator, want_x, want_weight,
+def linear_forward(impl, policy, ref, target, temperature, inputs, hyperparameters, loss_type, estimator, want_x, want_weight,
                    want_bias, tile_elements, quantile):
     """``(StreamStats, d_x, d_weight, d_bias, keep, threshold)``: ``forward`` for the ``linear`` family
     (``impl``: a ``linear`` backend module); pass 3 recomputes the logits tiles of the kept rows only."""
     unmasked = inputs._replace(w_pg=torch.zeros_like(inputs.w_pg))
-    stats, *grads = impl.loss_forward(policy, ref, target, temperature, unmasked, hp, loss_type, estimator, False,
+    stats, *grads = impl.loss_forward(policy, ref, target, temperature, unmasked, hyperparameters, loss_type, estimator, False,
                                       want_x, want_weight, want_bias, tile_elements, True)
-    keep, threshold, g_logp = _kept_slopes(loss_type, stats, target, inputs, hp, quantile)
+    keep, threshold, g_logp = _kept_slopes(loss_type, stats, target, inputs, hyperparameters, quantile)
     if want_x or want_weight or want_bias:
         basis = statistics.gradient_basis({"logp": g_logp}, stats, temperature)
         kept = torch.where(keep, target, torch.full_like(target, SKIP))

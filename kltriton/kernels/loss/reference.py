@@ -7,9 +7,9 @@ from kltriton.kernels.loss import composed
 from kltriton.kernels.stream import reference as stream
 
 
-def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad,
+def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad, with_grad,
             with_entropy=True):
-    return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
+    return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator,
                             entropy_grad, with_grad, with_entropy)
 
 

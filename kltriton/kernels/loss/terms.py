@@ -298,14 +298,14 @@ class Batch(NamedTuple):
     logp: torch.Tensor
     old: torch.Tensor
     adv: torch.Tensor
-    hp: torch.Tensor             # in logp's dtype
+    hyperparameters: torch.Tensor             # in logp's dtype
     scored: torch.Tensor         # bool
     seq_index: torch.Tensor      # [N] sequence of each row
     num_seqs: int
     log_is: Optional[torch.Tensor]  # VESPO: log of the rollout IS weights per token (None: none)
 
     def param(self, name):
-        return self.hp[SLOT[name]]
+        return self.hyperparameters[SLOT[name]]
 
     def seq_sum(self, values):
         """``[num_seqs]``: the sum of ``values`` over each sequence's scored rows."""
@@ -512,23 +512,23 @@ FORMULAS = {"ppo": ppo, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dppo_tv": _dp
 assert set(FORMULAS) == set(FUSED + SEQUENCE + BATCH)
 
 
-def token_terms(loss_type, estimator, logp, ref_logp, full_kl, old, adv, hp, scored, seq_index=None,
+def token_terms(loss_type, estimator, logp, ref_logp, full_kl, old, adv, hyperparameters, scored, seq_index=None,
                 num_seqs=1, *, level: str = "token", log_is=None) -> TokenTerms:
     """Per-token terms on ``[N]`` tensors; ``old`` None means on-policy (``old = logp.detach()``). ``loss_type``:
     a name of ``LOSS_TYPES`` or a formula (``bypass_mode`` is resolved by ``policy_loss`` first). ``level``:
     ``"sequence"`` replaces the token ratio by the sequence's (TRL). ``log_is``: VESPO's log IS weights."""
     formula = FORMULAS[LOSS_TYPES[loss_type].formula]
-    hp = hp.to(logp.dtype)
+    hyperparameters = hyperparameters.to(logp.dtype)
     old = logp.detach() if old is None else old
     if seq_index is None:
         seq_index = torch.zeros_like(scored, dtype=torch.long)
-    b = Batch(logp, old, adv, hp, scored, seq_index, num_seqs, log_is)
+    b = Batch(logp, old, adv, hyperparameters, scored, seq_index, num_seqs, log_is)
     ratio, log_ratio = _token_ratio(b)
     if level == "sequence":
         ratio = _sequence_ratio(b)
     pg, ratio, clipped, lower, log_ratio, *weight = formula(b, ratio, log_ratio)
-    kl = kl_term(estimator, logp, ref_logp, full_kl, hp[SLOT["kl_clamp"]])
-    kl = kl * torch.where(hp[SLOT["kl_ratio"]] != 0, ratio, torch.ones_like(ratio))  # TRL's bias-corrected KL
+    kl = kl_term(estimator, logp, ref_logp, full_kl, hyperparameters[SLOT["kl_clamp"]])
+    kl = kl * torch.where(hyperparameters[SLOT["kl_ratio"]] != 0, ratio, torch.ones_like(ratio))  # TRL's bias-corrected KL
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return TokenTerms(torch.where(scored, pg, zero), torch.where(scored, ratio, zero), torch.where(scored, kl, zero),
                       clipped & scored, lower & scored, torch.where(scored, log_ratio, zero),
@@ -558,11 +558,11 @@ def entropy_keep(entropy, scored, quantile):
 
 # --- the derivative per row of the FUSED formulas -----------------------------------------------
 
-def _ratio_slope(logp, old, hp):
+def _ratio_slope(logp, old, hyperparameters):
     """``(d, r, dr)``: ``d = logp - old``, the ratio ``r = exp(clamp(d, -c, c))`` (``c`` the ``log_ratio_clamp``
     slot) and ``d r / d logp`` (0 beyond the clamp)."""
     d = logp - old
-    clamp = hp[SLOT["log_ratio_clamp"]]
+    clamp = hyperparameters[SLOT["log_ratio_clamp"]]
     ratio = torch.exp(_clamp_log_ratio(d, clamp))
     return d, ratio, torch.where(d.abs() <= clamp, ratio, torch.zeros_like(ratio))
 
@@ -572,11 +572,11 @@ def _chain(g, d_ratio):
     return torch.where(g == 0, torch.zeros_like(g), g * d_ratio)
 
 
-def _ppo_slope(logp, old, adv, hp):
+def _ppo_slope(logp, old, adv, hyperparameters):
     """``d pg / d logp`` of ``ppo`` per row. At an exact tie of the max / min the unclipped branch takes the whole
     gradient (autograd would split it; equal where both branches have the same slope)."""
-    low, high, dual, delta = (hp[SLOT[name]] for name in ("ratio_low", "ratio_high", "dual_clip", "delta"))
-    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
+    low, high, dual, delta = (hyperparameters[SLOT[name]] for name in ("ratio_low", "ratio_high", "dual_clip", "delta"))
+    _, ratio, d_ratio = _ratio_slope(logp, old, hyperparameters)
     pg1, pg2 = -adv * torch.minimum(ratio, delta), -adv * torch.clamp(ratio, low, high)
     zero = torch.zeros_like(logp)
     unclipped = torch.where(ratio <= delta, -adv, zero)
@@ -586,42 +586,42 @@ def _ppo_slope(logp, old, adv, hp):
     return _chain(g_ratio, d_ratio)
 
 
-def _cispo_slope(logp, old, adv, hp):
+def _cispo_slope(logp, old, adv, hyperparameters):
     """``d pg / d logp`` of ``cispo``: ``-sg(clip(ratio)) * A``."""
-    _, ratio, _ = _ratio_slope(logp, old, hp)
-    return -torch.clamp(ratio, hp[SLOT["ratio_low"]], hp[SLOT["ratio_high"]]) * adv
+    _, ratio, _ = _ratio_slope(logp, old, hyperparameters)
+    return -torch.clamp(ratio, hyperparameters[SLOT["ratio_low"]], hyperparameters[SLOT["ratio_high"]]) * adv
 
 
-def _clipped_ratio_slope(logp, old, adv, hp):
+def _clipped_ratio_slope(logp, old, adv, hyperparameters):
     """``d pg / d logp`` of ``clipped_ratio``: ``-A * r`` inside the clip range, 0 outside."""
-    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
-    inside = (ratio >= hp[SLOT["ratio_low"]]) & (ratio <= hp[SLOT["ratio_high"]])
+    _, ratio, d_ratio = _ratio_slope(logp, old, hyperparameters)
+    inside = (ratio >= hyperparameters[SLOT["ratio_low"]]) & (ratio <= hyperparameters[SLOT["ratio_high"]])
     return torch.where(inside, _chain(-adv, d_ratio), torch.zeros_like(ratio))
 
 
-def _sapo_slope(logp, old, adv, hp):
+def _sapo_slope(logp, old, adv, hyperparameters):
     """``d pg / d logp`` of ``sapo``: ``-A * 4 sigmoid'(tau (r - 1)) * r``."""
-    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
-    tau = torch.where(adv > 0, hp[SLOT["tau_pos"]], hp[SLOT["tau_neg"]])
+    _, ratio, d_ratio = _ratio_slope(logp, old, hyperparameters)
+    tau = torch.where(adv > 0, hyperparameters[SLOT["tau_pos"]], hyperparameters[SLOT["tau_neg"]])
     s = torch.sigmoid(tau * (ratio - 1))
     return _chain(-adv * 4 * s * (1 - s), d_ratio)
 
 
-def _gpg_slope(logp, old, adv, hp):
+def _gpg_slope(logp, old, adv, hyperparameters):
     return -adv
 
 
 def _dppo_slope(binary_kl: bool):
-    def slope(logp, old, adv, hp):
-        _, ratio, _ = _ratio_slope(logp, old, hp)
-        b = Batch(logp, old, adv, hp, torch.ones_like(logp, dtype=torch.bool), None, 1, None)
+    def slope(logp, old, adv, hyperparameters):
+        _, ratio, _ = _ratio_slope(logp, old, hyperparameters)
+        b = Batch(logp, old, adv, hyperparameters, torch.ones_like(logp, dtype=torch.bool), None, 1, None)
         valid = _dppo_valid(b, binary_kl).to(logp.dtype)
-        return -adv * torch.clamp(ratio, max=hp[SLOT["clip_ratio_c"]]) * valid
+        return -adv * torch.clamp(ratio, max=hyperparameters[SLOT["clip_ratio_c"]]) * valid
     return slope
 
 
-def _dro_slope(logp, old, adv, hp):
-    return -adv + hp[SLOT["dro_beta"]] * (logp - old)
+def _dro_slope(logp, old, adv, hyperparameters):
+    return -adv + hyperparameters[SLOT["dro_beta"]] * (logp - old)
 
 
 # d pg / d logp per row of the formulas in FUSED, written out (the C++ and Triton kernels compute the same).
@@ -631,20 +631,20 @@ SLOPES = {"ppo": _ppo_slope, "cispo": _cispo_slope, "sapo": _sapo_slope, "gpg": 
 assert set(SLOPES) == set(FUSED)
 
 
-def coefficients(loss_type, estimator: Optional[estimators.Estimator], logp, ref_logp, inputs, hp, full_kl=None):
+def coefficients(loss_type, estimator: Optional[estimators.Estimator], logp, ref_logp, inputs, hyperparameters, full_kl=None):
     """``(d loss / d logp, d loss / d full_kl)`` per row (``[N]``) for a formula of ``FUSED``; ``d loss / d
     entropy`` is ``inputs.w_ent``. With ``kl_ratio`` the KL term is ``kl * r``: its slope is ``kl' r + kl dr``.
     ``tests/kernels/test_loss_coefficients.py`` holds it against autograd through ``objective`` and against the
     C++ and Triton kernels."""
-    hp = hp.to(logp.dtype)
+    hyperparameters = hyperparameters.to(logp.dtype)
     old = logp if inputs.old_logp is None else inputs.old_logp
-    g_logp = inputs.w_pg * SLOPES[loss_type](logp, old, inputs.advantages, hp)
+    g_logp = inputs.w_pg * SLOPES[loss_type](logp, old, inputs.advantages, hyperparameters)
     if estimator is None:
         return g_logp, None
-    _, ratio, d_ratio = _ratio_slope(logp, old, hp)
-    corrected = hp[SLOT["kl_ratio"]] != 0
+    _, ratio, d_ratio = _ratio_slope(logp, old, hyperparameters)
+    corrected = hyperparameters[SLOT["kl_ratio"]] != 0
     kl_weight = torch.where(corrected, ratio, torch.ones_like(ratio))
-    kl_clamp = hp[SLOT["kl_clamp"]]
+    kl_clamp = hyperparameters[SLOT["kl_clamp"]]
     if estimator.needs_ref_logits:  # the full KL's own gradient goes through its statistic; 0 where clamped
         if full_kl is None:
             return g_logp, inputs.w_kl * kl_weight

@@ -13,7 +13,7 @@ optional tensors are passed as ``None`` (Triton specializes on them); the loss t
 compile-time strings; the hyperparameters and the per-row weights are data (a new clip value or
 coefficient never recompiles).
 
-Calls with no gradient wanted run ``composed.forward`` on the Triton stream kernels (the stream forward
+Calls with no gradient request run ``composed.forward`` on the Triton stream kernels (the stream forward
 alone, which splits long rows across programs and keeps a small batch busy; its statistics agree with the
 fused kernel's to fp32 rounding).
 """
@@ -24,7 +24,7 @@ import triton.language as tl
 from kltriton import estimators
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as tr
-from kltriton.kernels.loss import composed, terms, wanted
+from kltriton.kernels.loss import composed, statistics_request, terms
 from kltriton.kernels.rows import num_rows
 from kltriton.kernels.stream import triton as stream
 
@@ -301,7 +301,7 @@ def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimato
     stream backward's block, both from ``V`` and the dtype only; the loss type and estimator."""
     est = estimators.parse(estimator) if estimator else None
     tile = tr.forward_tile(vocab, elem_bytes, has_ref)
-    constexprs = dict(WANT=wanted(has_ref, estimator, with_entropy), LOSS_TYPE=loss_type, ESTIMATOR=est.base if est else "",
+    constexprs = dict(WANT=statistics_request(has_ref, estimator, with_entropy), LOSS_TYPE=loss_type, ESTIMATOR=est.base if est else "",
                       STRAIGHT=bool(est and est.straight_through), ENTROPY_GRAD=bool(entropy_grad),
                       SUBTILES=tile.constexprs["SUBTILES"], LANES=tile.constexprs["LANES"],
                       VEC=tile.constexprs["VEC"], BLOCK_V=tr.backward_block(vocab))
@@ -317,23 +317,23 @@ def launches(vocab: int, elem_bytes: int, variants=STATIC_VARIANTS):
            for name, terms_ in (("accumulate", 0), ("accumulate+plogp", constants.P_LOGP))]
     for variant, has_ref, loss_type, estimator, entropy_grad in variants:
         launch = _launch(vocab, elem_bytes, has_ref, loss_type, estimator, entropy_grad)
-        want = launch.constexprs["WANT"]
-        absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(want, s)]
+        needs_grad = launch.constexprs["WANT"]
+        absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(needs_grad, s)]
         absent += [] if has_ref else ["ref_ptr"]
         absent += [] if estimator not in ("", "full") and not has_ref else ["given_ref_logp_ptr"]
         out.append(("_loss_forward_kernel", launch, variant, absent))
     return out
 
 
-def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator, entropy_grad, with_grad,
+def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad, with_grad,
             with_entropy=True):
     _check_fused(loss_type)
     if not with_grad:
-        return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hp, loss_type, estimator,
+        return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator,
                                 entropy_grad, with_grad, with_entropy)
     n, vocab = num_rows(logits), logits.shape[-1]
     has_ref = ref_logits is not None
-    stats = statistics.empty_stats(n, wanted(has_ref, estimator, with_entropy),
+    stats = statistics.empty_stats(n, statistics_request(has_ref, estimator, with_entropy),
                                    lambda size: torch.empty(size, dtype=torch.float32, device=logits.device))
     grad = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
     if n == 0:
@@ -345,7 +345,7 @@ def forward(logits, ref_logits, target, temperature, inputs, hp, loss_type, esti
         *tr.view_args(logits.detach()), *tr.view_args(None if ref_logits is None else ref_logits.detach()),
         target, *(value if value.numel() else None for value in stats), grad, f32(inputs.old_logp),
         f32(inputs.advantages), f32(inputs.w_pg), f32(inputs.w_kl), f32(inputs.w_ent), f32(given_ref),
-        hp.to(torch.float64).contiguous(), vocab, temperature, 1 if temperature.dim() else 0,
+        hyperparameters.to(torch.float64).contiguous(), vocab, temperature, 1 if temperature.dim() else 0,
         **launch.constexprs, **launch.options)
     return stats, grad
 
@@ -355,7 +355,7 @@ def _check_fused(loss_type):
         raise ValueError(f"no fused Triton kernel for loss_type {loss_type!r} (fused: {terms.FUSED})")
 
 
-def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator, full_kl=None):
+def coefficients(logp, ref_logp, inputs, hyperparameters, loss_type, estimator, full_kl=None):
     """``d loss / d logp`` per row from ``_row_g_logp`` (for the parity test of the three implementations)."""
     _check_fused(loss_type)
     est = estimators.parse(estimator) if estimator else None
@@ -365,7 +365,7 @@ def coefficients(logp, ref_logp, inputs, hp, loss_type, estimator, full_kl=None)
         block = 256
         _coefficients_kernel[(triton.cdiv(out.numel(), block),)](
             f32(logp), f32(ref_logp), f32(full_kl), f32(inputs.old_logp), f32(inputs.advantages), f32(inputs.w_pg),
-            f32(inputs.w_kl), hp.to(torch.float64).contiguous(), out, out.numel(), LOSS_TYPE=loss_type,
+            f32(inputs.w_kl), hyperparameters.to(torch.float64).contiguous(), out, out.numel(), LOSS_TYPE=loss_type,
             ESTIMATOR=est.base if est else "", STRAIGHT=bool(est and est.straight_through), BLOCK=block)
     return out
 

@@ -39,8 +39,8 @@ class _Tiles(torch.autograd.Function):
     def backward(ctx, *grads):
         hidden, weight, bias = ctx.saved_tensors
         rows_fn, tile_rows, n, side_tensors = ctx.meta
-        want = ctx.needs_input_grad[4:7]
-        leaves = [None if t is None else t.detach().requires_grad_(w) for t, w in zip((hidden, weight, bias), want)]
+        needs_grad = ctx.needs_input_grad[4:7]
+        leaves = [None if t is None else t.detach().requires_grad_(w) for t, w in zip((hidden, weight, bias), needs_grad)]
         side = (*leaves, *side_tensors)
         for start in range(0, n, tile_rows):
             stop = min(start + tile_rows, n)
@@ -54,10 +54,10 @@ class _Tiles(torch.autograd.Function):
                     continue
                 (d_tile,) = torch.autograd.grad([v for v, _ in pairs], [tile], [g for _, g in pairs],
                                                 allow_unused=True)
-                if d_tile is not None and any(want):
+                if d_tile is not None and any(needs_grad):
                     torch.autograd.backward(logits, d_tile)
         return (None, None, None, None, *(None if leaf is None or not w else leaf.grad
-                                          for leaf, w in zip(leaves, want)))
+                                          for leaf, w in zip(leaves, needs_grad)))
 
 
 def statistics(side, rows_fn, tile_rows: int) -> StreamStats:
