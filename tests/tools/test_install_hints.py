@@ -63,7 +63,7 @@ def test_no_message_names_an_extra_on_an_index():
 def test_missing_triton_says_what_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    usable, why = dispatch._backend_availability("triton")
+    usable, why = dispatch.BACKENDS["triton"].availability()
     assert not usable and 'pip install "triton>=3.6" "numpy"' in why
 
 
