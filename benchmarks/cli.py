@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks run | compare | plot | static | gpu`` (see ``--help`` of each)."""
+"""Command line: ``python -m benchmarks run | compare | ab | plot | static | gpu`` (see ``--help`` of each)."""
 import argparse
 import datetime
 import importlib
@@ -35,6 +35,15 @@ def _parser():
     gate.add_argument("--max-drift", type=float, default=compare.MAX_DRIFT,
                       help="bandwidth change between the runs, either way, beyond which a kltriton row is "
                            f"unreliable (default {compare.MAX_DRIFT})")
+    pairs = sub.add_parser("ab", help="this checkout against another (OLD_TREE, e.g. a git worktree of the commit "
+                           "before a change): interleaved runs, the median of the per-round new/old ratios")
+    pairs.add_argument("old_tree", type=Path)
+    pairs.add_argument("--rounds", type=int, default=3)
+    pairs.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    pairs.add_argument("--grid", choices=tuple(harness.GRIDS), default="small")
+    pairs.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    pairs.add_argument("--threshold", type=float, default=compare.THRESHOLD)
+    pairs.add_argument("--out", type=Path, default=None, help="write the ratios as JSON here")
     plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
     plot.add_argument("results", type=Path)
     sub.add_parser("static", help="compile every Triton kernel for sm_90, report registers, spills, SASS per element")
@@ -95,6 +104,10 @@ def main(argv=None) -> int:
         return _run(args)
     if args.command == "compare":
         return compare.compare(args.old, args.new, args.threshold, args.absolute, args.max_drift)
+    if args.command == "ab":
+        from benchmarks.ab import ab
+
+        return ab(args.old_tree, args.rounds, args.grid, args.ops, args.device, args.threshold, args.out)
     from benchmarks.plot import plot
 
     for path in plot(args.results):
