@@ -366,6 +366,20 @@ std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::
 at::Tensor truncated_backward(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
                               const at::Tensor& floor, const at::Tensor& lse, const at::Tensor& c_label,
                               const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+
+at::Tensor replay_support(const at::Tensor& ids);
+
+at::Tensor replay_columns(const at::Tensor& logits3d, const at::Tensor& ids);
+
+std::vector<at::Tensor> replay_forward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
+                                       const at::Tensor& temperature, int64_t wanted);
+
+at::Tensor replay_backward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
+                           const at::Tensor& temperature, const at::Tensor& row_max, const at::Tensor& log_mass,
+                           const at::Tensor& c_label, const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+
+at::Tensor replay_scatter(const at::Tensor& columns, const at::Tensor& ids, int64_t V, at::ScalarType dtype);
+
 std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
                                     const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
                                     const at::Tensor& beta);

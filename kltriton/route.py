@@ -148,24 +148,19 @@ def truncated_statistics(logits, target, temperature, truncation, layout, wanted
     device, vocab = logits.device, logits.shape[-1] if vocab_shard is None else vocab_shard.vocab
     group = None if vocab_shard is None else vocab_shard.group
     if truncation.replay:
-        kept = replay.support(truncation.support_rows(layout.shape, device, vocab))
-        ids, own = kept.ids, kept.valid
-        if vocab_shard is not None:
-            local = ids - vocab_shard.start
-            own = own & (local >= 0) & (local < logits.shape[-1])
-            ids = torch.where(own, local, torch.zeros_like(local))
+        name = backend(backend_name, logits, family_name="truncation")
+        ids = replay.support(truncation.support_rows(layout.shape, device, vocab), name)
+        own = ids if vocab_shard is None else replay.shard_ids(ids, vocab_shard.start, logits.shape[-1])
         if is_linear(logits):
             side = _side(logits)
             if group is not None:
                 side = side._replace(x=parallel.replicated(side.x, group))
-            values = replay.project(side, ids, logits.tile_elements or default_tile_elements(device.type))
+            values = replay.project(side, own, logits.tile_elements or default_tile_elements(device.type))
         else:
-            values = replay.gather(logits, ids)
+            values = replay.columns(logits, own, name)
         if group is not None:
-            values = parallel.sum_over_ranks(torch.where(own, values, torch.zeros_like(values)), group)
-        here, column = replay.label_in(kept, target)
-        label_value = values.gather(1, column[:, None]).squeeze(1)
-        return replay.statistics_of(values, kept.valid, here, label_value, target, temperature, wanted)
+            values = parallel.sum_over_ranks(values, group)
+        return replay.statistics_of(values, ids, target, temperature, wanted, name)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
 
     def dense(rows, row_target, row_temperature, row_knobs):
