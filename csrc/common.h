@@ -260,6 +260,9 @@ inline Vec neg_mul_where_pos(const Vec& p, const Vec& c) {
 }
 #endif
 
+// A divergence's value, its rounding below 0 (nearly identical distributions) read as 0; -0 as +0, NaN kept.
+inline double nonnegative(double value) { return value <= 0.0 ? 0.0 : value; }
+
 // Row n of an [A, B, V] view with strides (sa, sb, 1).
 struct Rows3d {
   const char* base = nullptr;
