@@ -6,17 +6,21 @@
 // Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
 // 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
 // is kept in raw logit units per SIMD lane and z = (x - m) * c <= 0: the max itself has z = 0 and
-// e = 1 exactly, x - m is exact for the values that matter (Sterbenz), and the rounding of c
-// (relative 6e-8) scales every z alike. z is formed as h * 2c from h = x / 2 - m / 2 = (x - m) / 2
-// (exact halving), which never overflows. The vocabulary is streamed in L1-sized blocks: the block max
-// is taken first, the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (hx - hy) k,
-// v = sum e^zy (hy - hx) k, e^z meaning exp(z kZUnit), k = kKlUnit) is rescaled once per block, then the
-// block's exponentials are accumulated from L1. The KL sums u and v are in units of h / kKlUnit, not of z:
-// a finfo.min logit under the other side's mass has a z beyond fp32 (times c = log2(e) / T) and a term
-// of up to finfo.max in h, yet the row's KL (the sum over s) may well be finite in fp32 (about 4.8e36), so the
-// terms are scaled down by kKlUnit = 2^-32 (a lane's sum of up to V such terms stays in fp32; terms below
-// 2^-94 vanish, far below the KL's fp32 rounding) and the factor 2c / kKlUnit is applied in double at the
-// end. Each row is read from memory once. The SIMD lanes are combined in double at the end of the row.
+// e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
+// -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
+// streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
+// t = sum e^z z, u = sum e^zx (hx - hy), v = sum e^zy (hy - hx), e^z meaning exp(z kZUnit)) is rescaled
+// once per block, then the block's exponentials are accumulated from L1. Each row is read from memory once.
+// The SIMD lanes are combined in double at the end of the row.
+//
+// The KL sums u and v are kept in the units of h = (x - m) kH with kH = 2^-33, not in z units: a finfo.min
+// logit under the other side's mass has a z beyond fp32 (times c = log2(e) / T) while its term, and the row's
+// KL (the sum over s, about 4.8e36), may well be fp32 numbers. In units of h a term never overflows (h = x kH -
+// m kH, exactly rounded) and a lane's sum of up to V of them stays in fp32 (terms below 2^-93 vanish, far
+// below the KL's fp32 rounding); the factor c / kH is applied in double at the end. The block loop itself sums
+// the terms in z units, as cheaply as before (the FMA pipes bound it), and converts the block's sum by kH / c;
+// only a block whose z-unit sum is not finite (such a logit, or a -inf one under mass: a true +inf) is summed
+// again in units of h.
 #pragma once
 
 #include "common.h"
@@ -25,7 +29,7 @@
 namespace kltriton_cpp {
 
 constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
-constexpr float kKlUnit = 0x1p-32f;  // the KL sums' scale (see above)
+constexpr float kH = 0x1p-33f;        // the scale of h (see above)
 
 // The statistics (kltriton/kernels/constants.py STATISTICS): their index in RowOut and in an op's outputs.
 enum Stat : int {
@@ -71,19 +75,28 @@ inline RowOut skipped_row(int64_t target) {
   return r;
 }
 
-// (a - b) / 2 for frames a >= b, exactly rounded and never overflowing (a - b may: finfo.max - finfo.min).
-inline Vec half_difference(const Vec& a, const Vec& b) {
-  return at::vec::fmadd(a, Vec(0.5f), b * Vec(-0.5f));
+// (a - b) kH for frames a >= b, exactly rounded and never overflowing (a - b may: finfo.max - finfo.min).
+inline Vec scaled_difference(const Vec& a, const Vec& b) {
+  return at::vec::fmadd(a, Vec(kH), b * Vec(-kH));
+}
+
+inline bool all_finite(const Vec& v) {
+  alignas(64) float a[kW];
+  v.store(a);
+  for (int64_t l = 0; l < kW; ++l) {
+    if (!std::isfinite(a[l])) return false;
+  }
+  return true;
 }
 
 template <int MODE>
 struct LaneState {
   static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
   Vec mx, mix, sx, tx, my, miy, sy, u, v;
-  Vec vinv2;  // 2c: z = h * 2c
+  Vec vinv;  // c
 
   explicit LaneState(float inv)
-      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv2(2.f * inv) {}
+      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv(inv) {}
 
   // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf). keep(i, e) receives the
   // policy's exponentials of vector i (relative to the block's frame mix), for a caller that reuses them.
@@ -101,48 +114,48 @@ struct LaneState {
     // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
     const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
-    const Vec dxh = half_difference(mixn, mix);             // the frame's move, in the units of h
-    const Vec dx = dxh * vinv2;
+    const Vec vinvh = vinv * Vec(1.f / kH);                 // c / kH: z = h * c / kH, exactly
+    const Vec dxh = scaled_difference(mixn, mix);           // the frame's move, in the units of h
+    const Vec dx = dxh * vinvh;
     const Vec ax = Vec::blendv(vexpz(zero - dx), zero, mx == ninf);
     const Vec ax_zero = ax == zero;
     Vec dyh = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
       const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
-      dyh = half_difference(miyn, miy);
-      const Vec ay = Vec::blendv(vexpz(zero - dyh * vinv2), zero, my == ninf);
+      dyh = scaled_difference(miyn, miy);
+      const Vec ay = Vec::blendv(vexpz(zero - dyh * vinvh), zero, my == ninf);
       // The forward KL's sum mirrors u with the reference's frame (before sy moves).
-      if constexpr (FKL) v = Vec::blendv(ay * (v - (dyh - dxh) * Vec(kKlUnit) * sy), zero, ay == zero);
+      if constexpr (FKL) v = Vec::blendv(ay * (v - (dyh - dxh) * sy), zero, ay == zero);
       sy = ay * sy;
       my = myn;
       miy = miyn;
     }
-    if constexpr (KL) u = Vec::blendv(ax * (u - (dxh - dyh) * Vec(kKlUnit) * sx), zero, ax_zero);
+    if constexpr (KL) u = Vec::blendv(ax * (u - (dxh - dyh) * sx), zero, ax_zero);
     if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
     sx = ax * sx;
     mx = mxn;
     mix = mixn;
 
     // Block sums relative to the new frame, two accumulators each (independent add chains).
-    const Vec lowest(kLowest), half(0.5f), kl_unit(kKlUnit), nmixh = mix * Vec(-0.5f), nmiyh = miy * Vec(-0.5f);
+    const Vec lowest(kLowest);
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
     Vec bv[2] = {zero, zero};
     auto step = [&](int64_t i, int j) {
-      const Vec hx = at::vec::fmadd(ldx(i), half, nmixh);  // (x - mix) / 2, exactly rounded, never overflows
-      const Vec zx = hx * vinv2;
+      const Vec zx = (ldx(i) - mix) * vinv;
       const Vec ex = vexpz(zx);
       keep(i, ex);
       bs[j] = bs[j] + ex;
       // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
       if constexpr (ENT) bt[j] = at::vec::fmadd(ex, at::vec::clamp_min(zx, lowest), bt[j]);
       if constexpr (REF) {
-        const Vec hy = at::vec::fmadd(ldy(i), half, nmiyh);
-        const Vec ey = vexpz(hy * vinv2);
+        const Vec zy = (ldy(i) - miy) * vinv;
+        const Vec ey = vexpz(zy);
         bsy[j] = bsy[j] + ey;
-        // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
-        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * kl_unit * (hx - hy));
+        // In z units (kl_block converts): y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
+        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zx - zy));
         // The same for the forward KL, the roles swapped (x = -inf where q > 0 gives +inf).
-        if constexpr (FKL) bv[j] = add_where_pos(bv[j], ey, ey * kl_unit * (hy - hx));
+        if constexpr (FKL) bv[j] = add_where_pos(bv[j], ey, ey * (zy - zx));
       }
     };
     int64_t i = 0;
@@ -154,8 +167,29 @@ struct LaneState {
     sx = sx + (bs[0] + bs[1]);
     if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
     if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
-    if constexpr (KL) u = u + (bu[0] + bu[1]);
-    if constexpr (FKL) v = v + (bv[0] + bv[1]);
+    if constexpr (KL) u = u + kl_block<false>(bu[0] + bu[1], nv, ldx, ldy, vinvh);
+    if constexpr (FKL) v = v + kl_block<true>(bv[0] + bv[1], nv, ldx, ldy, vinvh);
+  }
+
+  // A block's KL sum in the units of h from its sum in z units (FORWARD: the forward KL's, sum e^zy (zy - zx)):
+  // scaled by kH / c where every lane's is finite, else summed again in the units of h, where no term overflows
+  // (a -inf logit under the other side's mass still gives +inf). Exponentials as the block loop's, bit for bit.
+  template <bool FORWARD, typename LX, typename LY>
+  inline Vec kl_block(const Vec& in_z_units, int64_t nv, const LX& ldx, const LY& ldy, const Vec& vinvh) const {
+    if (all_finite(in_z_units)) return in_z_units * (Vec(kH) / vinv);
+    const Vec vkh(kH), nmixh = mix * Vec(-kH), nmiyh = miy * Vec(-kH);
+    Vec acc(0.f);
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec hx = at::vec::fmadd(ldx(i), vkh, nmixh), hy = at::vec::fmadd(ldy(i), vkh, nmiyh);
+      if constexpr (FORWARD) {
+        const Vec ey = vexpz(hy * vinvh);
+        acc = add_where_pos(acc, ey, ey * (hy - hx));
+      } else {
+        const Vec ex = vexpz(hx * vinvh);
+        acc = add_where_pos(acc, ex, ex * (hx - hy));
+      }
+    }
+    return acc;
   }
 };
 
@@ -297,16 +331,16 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
         if (!cx.bad && !cx.dead) {
           alignas(64) float au[kW];
           st.u.store(au);
-          double U = 0.0;  // in the units of h / kKlUnit
+          double U = 0.0;  // in the units of h
           for (int64_t l = 0; l < kW; ++l) {
             if (amx[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * 0.5;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * 0.5;
-            const double a = std::exp(-dxl * 2.0 * c * kZUnit);
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
+            const double a = std::exp(-dxl / kH * c * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
-            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * kKlUnit * asx[l]);
+            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
-          const double scale = 2.0 * c * kZUnit / kKlUnit;
+          const double scale = c * kZUnit / kH;
           r.v[kStatFullKl] = static_cast<float>(nonnegative(scale * U / cx.s - std::log(cx.s) + log_s));
         }
       }
@@ -314,16 +348,16 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
         if (!cx.bad && !cx.dead) {
           alignas(64) float av[kW];
           st.v.store(av);
-          double W = 0.0;  // in the units of h / kKlUnit
+          double W = 0.0;  // in the units of h
           for (int64_t l = 0; l < kW; ++l) {
             if (amy[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * 0.5;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * 0.5;
-            const double a = std::exp(-dyl * 2.0 * c * kZUnit);
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
+            const double a = std::exp(-dyl / kH * c * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its v may be inf)
-            W += a * (static_cast<double>(av[l]) - (dyl - dxl) * kKlUnit * asy[l]);
+            W += a * (static_cast<double>(av[l]) - (dyl - dxl) * asy[l]);
           }
-          const double scale = 2.0 * c * kZUnit / kKlUnit;
+          const double scale = c * kZUnit / kH;
           r.v[kStatForwardKl] = static_cast<float>(nonnegative(scale * W / cy.s - log_s + std::log(cx.s)));
         }
       }

@@ -3,11 +3,9 @@
 // gradient w.r.t. x. With log p = x / T - lse, log q = y / T - ref_lse and m = beta q + (1 - beta) p:
 //   forward:  KL(p || m) = sum p (log p - log m),  KL(q || m) = sum q (log q - log m)
 //   backward: grad = coef * p * (log p - log m - KL(p || m))
-// log m is never formed: from d = log q - log p, the smaller side's ratio is
-//   log(m / p) = log1p(beta expm1(d))           for d <= 0 (in [log(1 - beta), 0]),
-//   log(m / q) = log1p((1 - beta) expm1(-d))    for d > 0  (in [log beta, 0]),
-// and the other side's is that minus or plus d. Where the rows agree (d = 0) both are exactly 0, so identical
-// distributions have a JSD of exactly 0 (the caller clamps the rounding of nearly identical ones to >= 0).
+// Where the two sides agree (log p == log q) m equals them, and both terms are exactly 0 (not log p - log m, which
+// rounds): identical distributions have a JSD of exactly 0 (the caller clamps the rounding of nearly identical
+// ones to >= 0).
 // An entry where p (q) is 0 adds no p (q) term, even where its ratio is inf or NaN. The terms are plain sums over
 // the row, accumulated per SIMD lane and combined in double in a fixed order at the end of the row (an order that
 // depends on V only). log p is formed as fma(x, lo, fma(x, hi, -lse)) with hi + lo = 1 / T (row_backward.h).
@@ -22,7 +20,7 @@ struct MixtureRow {
   float hi, lo, lse, rlse, beta, one_minus_beta;
 };
 
-// p, q and log(p / m), log(q / m) of kW entries (a -inf logit: probability 0).
+// p, q and log(p / m), log(q / m) of kW entries (a -inf logit: probability 0; both 0 where log p == log q).
 struct MixtureVec {
   Vec p, q, p_over_m, q_over_m;
 };
@@ -35,12 +33,10 @@ inline MixtureVec mixture_vec(const Vec& xraw, const Vec& yraw, const MixtureRow
   MixtureVec e;
   e.p = vexp(log_p);
   e.q = vexp(log_q);
-  const Vec d = log_q - log_p;
-  const Vec q_smaller = d <= zero;  // all ones where d <= 0
-  const Vec weight = Vec::blendv(Vec(k.one_minus_beta), Vec(k.beta), q_smaller);
-  const Vec smaller = (weight * Vec::blendv(zero - d, d, q_smaller).expm1()).log1p();  // log(m / smaller side)
-  e.p_over_m = zero - Vec::blendv(smaller + d, smaller, q_smaller);
-  e.q_over_m = zero - Vec::blendv(smaller, smaller - d, q_smaller);
+  const Vec log_m = at::vec::fmadd(Vec(k.beta), e.q, Vec(k.one_minus_beta) * e.p).log();
+  const Vec agree = log_p == log_q;
+  e.p_over_m = Vec::blendv(log_p - log_m, zero, agree);
+  e.q_over_m = Vec::blendv(log_q - log_m, zero, agree);
   return e;
 }
 

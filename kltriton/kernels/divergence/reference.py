@@ -28,7 +28,8 @@ def _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, dtype):
 def ratios(log_p, log_q, beta):
     """``(log(p / m), log(q / m))`` elementwise, ``m = beta q + (1 - beta) p``, without ``log m``: from
     ``d = log q - log p`` the smaller side's ``log(m / side) = log1p(weight * expm1(-|d|))``, exactly 0 where the rows
-    agree (as ``csrc/row_mixture.h``); ``inf`` / NaN only on a side whose probability is 0."""
+    agree (the C++ and Triton kernels snap those entries to 0 instead); ``inf`` / NaN only on a side whose
+    probability is 0."""
     d = log_q - log_p
     q_smaller = d <= 0
     weight = torch.where(q_smaller, beta, 1 - beta)

@@ -4,10 +4,8 @@ The JSD pass: one program per row sums the row's mixture terms in vocab blocks (
 once at the end, so a row's order depends on ``V`` only) from the whole rows' log-sum-exps. The gradient: a
 (row, vocab block) grid as the ``stream`` backward. Both read the student and the teacher row once.
 
-``log m`` is never formed (``_ratios``): from ``d = log q - log p`` the smaller side's ``log(m / side)`` is
-``log1p(weight * expm1(-|d|))``, exactly 0 where the rows agree, so identical distributions have a JSD of exactly
-0 (as ``csrc/row_mixture.h``; ``expm1`` / ``log1p`` by Kahan's compensation from ``exp`` / ``log``, which the
-interpreter runs too).
+Where the two sides agree (``log p == log q``) ``m`` equals them and both terms are exactly 0 (``_ratios``; not
+``log p - log m``, which rounds), so identical distributions have a JSD of exactly 0 (as ``csrc/row_mixture.h``).
 """
 import torch
 import triton
@@ -46,28 +44,11 @@ def _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature):
 
 
 @triton.jit
-def _expm1(x):
-    """``exp(x) - 1``, accurate near 0 and exactly 0 at 0 (Kahan: ``(u - 1) x / log u`` with ``u = exp(x)``)."""
-    u = tl.exp(x)
-    return tl.where(u == 1.0, x, tl.where(u == 0.0, -1.0, (u - 1.0) * x / tl.log(u)))
-
-
-@triton.jit
-def _log1p(x):
-    """``log(1 + x)``, accurate near 0 and exactly 0 at 0 (Kahan: ``log(u) x / (u - 1)`` with ``u = 1 + x``)."""
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * x / (u - 1.0))
-
-
-@triton.jit
-def _ratios(log_p, log_q, beta, one_minus_beta):
-    """``(log(p / m), log(q / m))`` without ``log m``: 0 and 0 where ``log p == log q``; ``inf`` / NaN only on a
-    side whose probability is 0."""
-    d = log_q - log_p
-    q_smaller = d <= 0.0
-    weight = tl.where(q_smaller, beta, one_minus_beta)
-    smaller = _log1p(weight * _expm1(tl.where(q_smaller, d, -d)))  # log(m / the smaller side), <= 0
-    return 0.0 - tl.where(q_smaller, smaller, smaller + d), 0.0 - tl.where(q_smaller, smaller - d, smaller)
+def _ratios(log_p, p, log_q, q, beta, one_minus_beta):
+    """``(log(p / m), log(q / m))``: exactly 0 and 0 where ``log p == log q``; ``-inf`` where both are 0 (no term)."""
+    log_m = tl.log(beta * q + one_minus_beta * p)
+    agree = log_p == log_q
+    return tl.where(agree, 0.0, log_p - log_m), tl.where(agree, 0.0, log_q - log_m)
 
 
 @triton.jit
@@ -108,7 +89,7 @@ def _jsd_forward_kernel(
         for start in range(0, vocab, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             log_p, p, log_q, q = _log_probs(x_row, y_row, offs, offs < vocab, lse, ref_lse, inv_temperature)
-            p_over_m, q_over_m = _ratios(log_p, log_q, beta, one_minus_beta)
+            p_over_m, q_over_m = _ratios(log_p, p, log_q, q, beta, one_minus_beta)
             kl_p += tl.where(p > 0, p * p_over_m, 0.0)
             kl_q += tl.where(q > 0, q * q_over_m, 0.0)
         kl_student = tl.sum(kl_p, axis=0)
@@ -146,7 +127,7 @@ def _jsd_backward_kernel(
                                        ref_inner_stride)
         beta64 = tl.load(beta_ptr)
         log_p, p, log_q, q = _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature)
-        p_over_m, _ = _ratios(log_p, log_q, beta64.to(tl.float32), (1.0 - beta64).to(tl.float32))
+        p_over_m, _ = _ratios(log_p, p, log_q, q, beta64.to(tl.float32), (1.0 - beta64).to(tl.float32))
         centred = p_over_m - tl.load(kl_student_ptr + row)
         grad = tl.load(coef_ptr + row) * tl.where(p > 0, p * centred, 0.0)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
