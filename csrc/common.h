@@ -379,7 +379,8 @@ std::vector<at::Tensor> replay_forward(const at::Tensor& values, const at::Tenso
 
 at::Tensor replay_backward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
                            const at::Tensor& temperature, const at::Tensor& row_max, const at::Tensor& log_mass,
-                           const at::Tensor& c_label, const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+                           const at::Tensor& c_label, const at::Tensor& c_p,
+                           const std::optional<at::Tensor>& c_p_logp);
 
 at::Tensor replay_scatter(const at::Tensor& columns, const at::Tensor& ids, int64_t V, at::ScalarType dtype);
 

@@ -277,7 +277,8 @@ std::vector<at::Tensor> replay_forward(const at::Tensor& values, const at::Tenso
 
 at::Tensor replay_backward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
                            const at::Tensor& temperature, const at::Tensor& row_max, const at::Tensor& log_mass,
-                           const at::Tensor& c_label, const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp) {
+                           const at::Tensor& c_label, const at::Tensor& c_p,
+                           const std::optional<at::Tensor>& c_p_logp) {
   const ReplayArgs a = check_replay_args(values, ids, target, temperature);
   auto rows = [&](const at::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.numel() == a.N, "kltriton_cpp: ", name, " must have one entry per row");

@@ -62,7 +62,8 @@ CPP_LINK_FLAGS = ("-fopenmp",)
 
 def cpp_defines() -> list:
     """This table as ``-D`` flags: ``KLTRITON_SKIP``, ``KLTRITON_STAT_<NAME>`` (index),
-    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_LOG_RATIO_CLAMP``, ``KLTRITON_FIXED_POINT_BITS``."""
+    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits,
+    ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_LOG_RATIO_CLAMP``, ``KLTRITON_FIXED_POINT_BITS``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
              f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
              f"-DKLTRITON_WANT_FORWARD_KL={FORWARD_KL}",

@@ -294,6 +294,48 @@ def test_replay_is_bitwise_independent_of_padding_order_and_batch(tbackend, dtyp
             assert torch.equal(a[0], e[row]), f"row {row} alone: {field} differs"
 
 
+def test_replay_ops_pass_opcheck(tbackend):
+    """The replay custom ops (``kltriton::replay_columns``, ``kltriton::replay_statistics``): schema, fake tensors and
+    autograd registration, as ``torch.library.opcheck`` checks them (``torch.compile`` traces through them)."""
+    from kltriton.kernels import constants
+    from kltriton.kernels.truncation import replay
+
+    gen = torch.Generator().manual_seed(24)
+    logits = torch.randn(2, 3, 50, generator=gen, requires_grad=True)
+    ids = replay.support(torch.randint(-1, 50, (6, 7), generator=gen), tbackend)
+    target = torch.where(ids[:, 0] >= 0, ids[:, 0], 3)
+    target[1] = constants.SKIP
+    temperature = torch.tensor(0.8, dtype=torch.float64)
+    torch.library.opcheck(replay._columns_op, (logits, ids, tbackend))
+    values = replay.columns(logits.detach(), ids, tbackend).requires_grad_()
+    for wanted in (0, constants.ENTROPY):
+        torch.library.opcheck(replay._statistics_op, (values, ids, target, temperature, wanted, tbackend))
+
+
+def test_replay_compiles_fullgraph(tbackend):
+    """``torch.compile(fullgraph=True)`` traces replay (its support, columns, statistics and their backward are
+    custom ops) and gives the eager values and gradient, bitwise."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gen = torch.Generator().manual_seed(25)
+    x = torch.randn(4, 50, generator=gen).requires_grad_()
+    labels = torch.randint(0, 50, (4,), generator=gen)
+    support = x.detach().topk(8).indices
+    support[:, 6:] = -1
+    support[1, 3] = support[1, 2]
+
+    def loss(x, labels, support):
+        logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.9, return_entropy=True, backend=tbackend,
+                                                truncation=kltriton.Truncation(support=support))
+        return logp.masked_fill(logp.isinf(), 0).sum() + entropy.sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    got, expected = compiled(x, labels, support), loss(x, labels, support)
+    assert torch.equal(got, expected) and counter.frame_count == 1
+    assert torch.equal(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
+
+
 def test_packed_equals_padded(tbackend):
     gen = torch.Generator().manual_seed(6)
     logits = distinct_logits((2, 5, 333), generator=gen).float()

@@ -14,7 +14,7 @@ Every bit of a row's values and gradients is independent of ``K`` (how wide the 
 and repetitions of its ids and of the other rows: the row's reductions are a maximum and fixed-point integer sums
 (``constants.FIXED_POINT_BITS``), which are associative, and everything else is per entry.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,10 +24,20 @@ from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.statistics import StreamStats
 from kltriton.ops._define import define_op
 
+def _support(
+    ids: torch.Tensor,  # [N, K] int64, -1: padding
+    backend: str,
+) -> torch.Tensor:
+    return dispatch.implementation("truncation", backend).replay_support(ids)
+
+
+_support_op = define_op("replay_support", _support, outputs=("ids",), fake=lambda ids, backend: torch.empty_like(ids))
+
+
 def support(ids: torch.Tensor, backend: str) -> torch.Tensor:
     """The canonical form of engine ids ``[N, K]`` int64 (``-1`` padding): each kept id once, in increasing order,
     then ``-1`` (``backend``'s ``replay_support``)."""
-    return dispatch.implementation("truncation", backend).replay_support(ids.contiguous())
+    return _support_op(ids.contiguous(), backend)
 
 
 def shard_ids(ids: torch.Tensor, start: int, width: int) -> torch.Tensor:
@@ -47,12 +57,27 @@ def _columns(
     return dispatch.implementation("truncation", backend).replay_columns(logits.detach(), ids)
 
 
+def _scatter_kernel(
+    columns: torch.Tensor,  # [N, K] the gradient at the ids (accumulation dtype)
+    ids: torch.Tensor,      # [N, K] int64, -1: not written
+    vocab: int,
+    dtype: torch.dtype,     # the logits'
+    backend: str,
+) -> torch.Tensor:
+    return dispatch.implementation("truncation", backend).replay_scatter(columns, ids, vocab, dtype)
+
+
+# An op of its own (as the stream backward), so that torch.compile traces the backward of replay_columns.
+replay_scatter = define_op(
+    "replay_scatter", _scatter_kernel, outputs=("grad",),
+    fake=lambda columns, ids, vocab, dtype, backend: columns.new_empty((ids.shape[0], vocab), dtype=dtype))
+
+
 def _columns_backward(saved, grads):
     logits, grad = saved.logits, grads["values"]
     if grad is None:
         return {}
-    scattered = dispatch.implementation("truncation", saved.backend).replay_scatter(
-        grad.contiguous(), saved.ids, logits.shape[-1], logits.dtype)
+    scattered = replay_scatter(grad.contiguous(), saved.ids, logits.shape[-1], logits.dtype, saved.backend)
     return {"logits": scattered.view(logits.shape)}
 
 
@@ -151,6 +176,26 @@ def _statistics_fake(values, ids, target, temperature, wanted, backend):
     return new(n), new(n), entropy, new(n), new(n, torch.float64), new(n, torch.int64)
 
 
+def _backward_kernel(
+    values: torch.Tensor,            # [N, K]
+    ids: torch.Tensor,               # [N, K] int64
+    target: torch.Tensor,            # [N] int64
+    temperature: torch.Tensor,       # float64 [] or [N]
+    row_max: torch.Tensor,           # [N] from the forward
+    log_mass: torch.Tensor,          # [N] float64 from the forward
+    c_label: torch.Tensor,           # [N] gradient basis (kltriton.kernels.statistics.Basis), / T
+    c_p: torch.Tensor,
+    c_p_logp: Optional[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    return dispatch.implementation("truncation", backend).replay_backward(
+        values, ids, target, temperature, row_max, log_mass, statistics.Basis(c_label, c_p, c_p_logp))
+
+
+replay_backward = define_op("replay_backward", _backward_kernel, outputs=("grad",),
+                            fake=lambda values, *rest: values.new_empty(values.shape))
+
+
 def _statistics_backward(saved, grads):
     none = saved.logp.new_empty(0)
     stats = StreamStats(*(getattr(saved, name) if name in ("logp", "lse", "entropy") else none
@@ -159,9 +204,8 @@ def _statistics_backward(saved, grads):
     if g is not None:  # a label outside the kept set: its log-prob is a constant -inf, without gradient
         g = torch.where(saved.label_column >= 0, g, torch.zeros((), dtype=g.dtype, device=g.device))
     basis = statistics.gradient_basis({"logp": g, "entropy": grads.get("entropy")}, stats, saved.temperature)
-    grad = dispatch.implementation("truncation", saved.backend).replay_backward(
-        saved.values, saved.ids, saved.target, saved.temperature, saved.row_max, saved.log_mass, basis)
-    return {"values": grad}
+    return {"values": replay_backward(saved.values, saved.ids, saved.target, saved.temperature, saved.row_max,
+                                      saved.log_mass, basis.label, basis.p, basis.p_logp, saved.backend)}
 
 
 _statistics_op = define_op(
