@@ -260,6 +260,9 @@ inline Vec neg_mul_where_pos(const Vec& p, const Vec& c) {
 }
 #endif
 
+// A divergence's value, its rounding below 0 (nearly identical distributions) read as 0; -0 as +0, NaN kept.
+inline double nonnegative(double value) { return value <= 0.0 ? 0.0 : value; }
+
 // Row n of an [A, B, V] view with strides (sa, sb, 1).
 struct Rows3d {
   const char* base = nullptr;
@@ -366,6 +369,21 @@ std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::
 at::Tensor truncated_backward(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
                               const at::Tensor& floor, const at::Tensor& lse, const at::Tensor& c_label,
                               const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
+
+at::Tensor replay_support(const at::Tensor& ids);
+
+at::Tensor replay_columns(const at::Tensor& logits3d, const at::Tensor& ids);
+
+std::vector<at::Tensor> replay_forward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
+                                       const at::Tensor& temperature, int64_t wanted);
+
+at::Tensor replay_backward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
+                           const at::Tensor& temperature, const at::Tensor& row_max, const at::Tensor& log_mass,
+                           const at::Tensor& c_label, const at::Tensor& c_p,
+                           const std::optional<at::Tensor>& c_p_logp);
+
+at::Tensor replay_scatter(const at::Tensor& columns, const at::Tensor& ids, int64_t V, at::ScalarType dtype);
+
 std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
                                     const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
                                     const at::Tensor& beta);

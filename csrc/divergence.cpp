@@ -78,7 +78,7 @@ std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor
           continue;
         }
         const auto [kl_p, kl_q] = jsd_forward_row<T, R>(X.row<T>(n), Y.row<R>(n), V, mixture_row(temp, in, n));
-        out_jsd[n] = static_cast<float>(in.beta * kl_q + (1.0 - in.beta) * kl_p);
+        out_jsd[n] = static_cast<float>(nonnegative(in.beta * kl_q + (1.0 - in.beta) * kl_p));
         out_kl[n] = static_cast<float>(kl_p);
       }
     });

@@ -45,6 +45,13 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
       "truncated_backward(Tensor logits3d, Tensor target, Tensor temperature, Tensor floor, Tensor lse, "
       "Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
+  m.def("replay_support(Tensor ids) -> Tensor");
+  m.def("replay_columns(Tensor logits3d, Tensor ids) -> Tensor");
+  m.def("replay_forward(Tensor values, Tensor ids, Tensor target, Tensor temperature, int wanted) -> Tensor[]");
+  m.def(
+      "replay_backward(Tensor values, Tensor ids, Tensor target, Tensor temperature, Tensor row_max, "
+      "Tensor log_mass, Tensor c_label, Tensor c_p, Tensor? c_p_logp) -> Tensor");
+  m.def("replay_scatter(Tensor columns, Tensor ids, int vocab, ScalarType dtype) -> Tensor");
   m.def(
       "jsd_forward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
       "Tensor beta) -> Tensor[]");
@@ -64,6 +71,11 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
   m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
   m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
+  m.impl("replay_support", &kltriton_cpp::replay_support);
+  m.impl("replay_columns", &kltriton_cpp::replay_columns);
+  m.impl("replay_forward", &kltriton_cpp::replay_forward);
+  m.impl("replay_backward", &kltriton_cpp::replay_backward);
+  m.impl("replay_scatter", &kltriton_cpp::replay_scatter);
   m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
   m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
 }
@@ -79,6 +91,11 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());
   m.impl("truncated_forward", torch::CppFunction::makeFallthrough());
   m.impl("truncated_backward", torch::CppFunction::makeFallthrough());
+  m.impl("replay_support", torch::CppFunction::makeFallthrough());
+  m.impl("replay_columns", torch::CppFunction::makeFallthrough());
+  m.impl("replay_forward", torch::CppFunction::makeFallthrough());
+  m.impl("replay_backward", torch::CppFunction::makeFallthrough());
+  m.impl("replay_scatter", torch::CppFunction::makeFallthrough());
   m.impl("jsd_forward", torch::CppFunction::makeFallthrough());
   m.impl("jsd_backward", torch::CppFunction::makeFallthrough());
 }

@@ -9,9 +9,18 @@
 // e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
 // -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
 // streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
-// t = sum e^z z, u = sum e^zx (zx - zy), v = sum e^zy (zy - zx), e^z meaning exp(z kZUnit)) is rescaled once per block,
-// then the block's exponentials are accumulated from L1. Each row
-// is read from memory once. The SIMD lanes are combined in double at the end of the row.
+// t = sum e^z z, u = sum e^zx (hx - hy), v = sum e^zy (hy - hx), e^z meaning exp(z kZUnit)) is rescaled
+// once per block, then the block's exponentials are accumulated from L1. Each row is read from memory once.
+// The SIMD lanes are combined in double at the end of the row.
+//
+// The KL sums u and v are kept in the units of h = (x - m) kH with kH = 2^-33, not in z units: a finfo.min
+// logit under the other side's mass has a z beyond fp32 (times c = log2(e) / T) while its term, and the row's
+// KL (the sum over s, about 4.8e36), may well be fp32 numbers. In units of h a term never overflows (h = x kH -
+// m kH, exactly rounded) and a lane's sum of up to V of them stays in fp32 (terms below 2^-93 vanish, far
+// below the KL's fp32 rounding); the factor c / kH is applied in double at the end. The block loop itself sums
+// the terms in z units, as cheaply as before (the FMA pipes bound it), and converts the block's sum by kH / c;
+// only a block whose z-unit sum is not finite (such a logit, or a -inf one under mass: a true +inf) is summed
+// again in units of h.
 #pragma once
 
 #include "common.h"
@@ -20,6 +29,7 @@
 namespace kltriton_cpp {
 
 constexpr int64_t kBlockVecs = 64;  // vectors per block (4 KiB of fp32 on AVX512 per tensor)
+constexpr float kH = 0x1p-33f;        // the scale of h (see above)
 
 // The statistics (kltriton/kernels/constants.py STATISTICS): their index in RowOut and in an op's outputs.
 enum Stat : int {
@@ -65,11 +75,25 @@ inline RowOut skipped_row(int64_t target) {
   return r;
 }
 
+// (a - b) kH for frames a >= b, exactly rounded and never overflowing (a - b may: finfo.max - finfo.min).
+inline Vec scaled_difference(const Vec& a, const Vec& b) {
+  return at::vec::fmadd(a, Vec(kH), b * Vec(-kH));
+}
+
+inline bool all_finite(const Vec& v) {
+  alignas(64) float a[kW];
+  v.store(a);
+  for (int64_t l = 0; l < kW; ++l) {
+    if (!std::isfinite(a[l])) return false;
+  }
+  return true;
+}
+
 template <int MODE>
 struct LaneState {
   static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
   Vec mx, mix, sx, tx, my, miy, sy, u, v;
-  Vec vinv;
+  Vec vinv;  // c
 
   explicit LaneState(float inv)
       : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv(inv) {}
@@ -90,22 +114,24 @@ struct LaneState {
     // the old sums vanish: t and u are then set to 0 by a blend, never 0 * inf. Once per block.
     const Vec mxn = vmax(mx, bx);
     const Vec mixn = Vec::blendv(mxn, zero, mxn == ninf);  // the lane's frame: its max, 0 while empty
-    const Vec dx = (mixn - mix) * vinv;
+    const Vec vinvh = vinv * Vec(1.f / kH);                 // c / kH: z = h * c / kH, exactly
+    const Vec dxh = scaled_difference(mixn, mix);           // the frame's move, in the units of h
+    const Vec dx = dxh * vinvh;
     const Vec ax = Vec::blendv(vexpz(zero - dx), zero, mx == ninf);
     const Vec ax_zero = ax == zero;
-    Vec dy = zero;
+    Vec dyh = zero;
     if constexpr (REF) {
       const Vec myn = vmax(my, by);
       const Vec miyn = Vec::blendv(myn, zero, myn == ninf);
-      dy = (miyn - miy) * vinv;
-      const Vec ay = Vec::blendv(vexpz(zero - dy), zero, my == ninf);
+      dyh = scaled_difference(miyn, miy);
+      const Vec ay = Vec::blendv(vexpz(zero - dyh * vinvh), zero, my == ninf);
       // The forward KL's sum mirrors u with the reference's frame (before sy moves).
-      if constexpr (FKL) v = Vec::blendv(ay * (v - (dy - dx) * sy), zero, ay == zero);
+      if constexpr (FKL) v = Vec::blendv(ay * (v - (dyh - dxh) * sy), zero, ay == zero);
       sy = ay * sy;
       my = myn;
       miy = miyn;
     }
-    if constexpr (KL) u = Vec::blendv(ax * (u - (dx - dy) * sx), zero, ax_zero);
+    if constexpr (KL) u = Vec::blendv(ax * (u - (dxh - dyh) * sx), zero, ax_zero);
     if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
     sx = ax * sx;
     mx = mxn;
@@ -120,19 +146,15 @@ struct LaneState {
       const Vec ex = vexpz(zx);
       keep(i, ex);
       bs[j] = bs[j] + ex;
-      Vec zxc;
-      if constexpr (ENT || KL) {
-        // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
-        zxc = at::vec::clamp_min(zx, lowest);
-      }
-      if constexpr (ENT) bt[j] = at::vec::fmadd(ex, zxc, bt[j]);
+      // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
+      if constexpr (ENT) bt[j] = at::vec::fmadd(ex, at::vec::clamp_min(zx, lowest), bt[j]);
       if constexpr (REF) {
         const Vec zy = (ldy(i) - miy) * vinv;
         const Vec ey = vexpz(zy);
         bsy[j] = bsy[j] + ey;
-        // y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
-        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zxc - zy));
-        // The same for the forward KL, the roles swapped (zx unclamped: x = -inf where q > 0 gives +inf).
+        // In z units (kl_block converts): y = -inf where p > 0 gives +inf (correct); where p == 0 the term is 0.
+        if constexpr (KL) bu[j] = add_where_pos(bu[j], ex, ex * (zx - zy));
+        // The same for the forward KL, the roles swapped (x = -inf where q > 0 gives +inf).
         if constexpr (FKL) bv[j] = add_where_pos(bv[j], ey, ey * (zy - zx));
       }
     };
@@ -145,8 +167,29 @@ struct LaneState {
     sx = sx + (bs[0] + bs[1]);
     if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
     if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
-    if constexpr (KL) u = u + (bu[0] + bu[1]);
-    if constexpr (FKL) v = v + (bv[0] + bv[1]);
+    if constexpr (KL) u = u + kl_block<false>(bu[0] + bu[1], nv, ldx, ldy, vinvh);
+    if constexpr (FKL) v = v + kl_block<true>(bv[0] + bv[1], nv, ldx, ldy, vinvh);
+  }
+
+  // A block's KL sum in the units of h from its sum in z units (FORWARD: the forward KL's, sum e^zy (zy - zx)):
+  // scaled by kH / c where every lane's is finite, else summed again in the units of h, where no term overflows
+  // (a -inf logit under the other side's mass still gives +inf). Exponentials as the block loop's, bit for bit.
+  template <bool FORWARD, typename LX, typename LY>
+  inline Vec kl_block(const Vec& in_z_units, int64_t nv, const LX& ldx, const LY& ldy, const Vec& vinvh) const {
+    if (all_finite(in_z_units)) return in_z_units * (Vec(kH) / vinv);
+    const Vec vkh(kH), nmixh = mix * Vec(-kH), nmiyh = miy * Vec(-kH);
+    Vec acc(0.f);
+    for (int64_t i = 0; i < nv; ++i) {
+      const Vec hx = at::vec::fmadd(ldx(i), vkh, nmixh), hy = at::vec::fmadd(ldy(i), vkh, nmiyh);
+      if constexpr (FORWARD) {
+        const Vec ey = vexpz(hy * vinvh);
+        acc = add_where_pos(acc, ey, ey * (hy - hx));
+      } else {
+        const Vec ex = vexpz(hx * vinvh);
+        acc = add_where_pos(acc, ex, ex * (hx - hy));
+      }
+    }
+    return acc;
   }
 };
 
@@ -288,32 +331,34 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
         if (!cx.bad && !cx.dead) {
           alignas(64) float au[kW];
           st.u.store(au);
-          double U = 0.0;
+          double U = 0.0;  // in the units of h
           for (int64_t l = 0; l < kW; ++l) {
             if (amx[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
-            const double a = std::exp(-dxl * kZUnit);
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
+            const double a = std::exp(-dxl / kH * c * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
             U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
           }
-          r.v[kStatFullKl] = static_cast<float>(kZUnit * U / cx.s - std::log(cx.s) + log_s);
+          const double scale = c * kZUnit / kH;
+          r.v[kStatFullKl] = static_cast<float>(nonnegative(scale * U / cx.s - std::log(cx.s) + log_s));
         }
       }
       if constexpr (FKL) {
         if (!cx.bad && !cx.dead) {
           alignas(64) float av[kW];
           st.v.store(av);
-          double W = 0.0;
+          double W = 0.0;  // in the units of h
           for (int64_t l = 0; l < kW; ++l) {
             if (amy[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * c;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * c;
-            const double a = std::exp(-dyl * kZUnit);
+            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
+            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
+            const double a = std::exp(-dyl / kH * c * kZUnit);
             if (a == 0.0) continue;  // no mass left in double: skip (its v may be inf)
             W += a * (static_cast<double>(av[l]) - (dyl - dxl) * asy[l]);
           }
-          r.v[kStatForwardKl] = static_cast<float>(kZUnit * W / cy.s - log_s + std::log(cx.s));
+          const double scale = c * kZUnit / kH;
+          r.v[kStatForwardKl] = static_cast<float>(nonnegative(scale * W / cy.s - log_s + std::log(cx.s)));
         }
       }
     }

@@ -3,7 +3,10 @@
 // gradient w.r.t. x. With log p = x / T - lse, log q = y / T - ref_lse and m = beta q + (1 - beta) p:
 //   forward:  KL(p || m) = sum p (log p - log m),  KL(q || m) = sum q (log q - log m)
 //   backward: grad = coef * p * (log p - log m - KL(p || m))
-// An entry where p (q) is 0 adds no p (q) term, even where log m is -inf (both 0). The terms are plain sums over
+// Where the two sides agree (log p == log q) m equals them, and both terms are exactly 0 (not log p - log m, which
+// rounds): identical distributions have a JSD of exactly 0 (the caller clamps the rounding of nearly identical
+// ones to >= 0).
+// An entry where p (q) is 0 adds no p (q) term, even where its ratio is inf or NaN. The terms are plain sums over
 // the row, accumulated per SIMD lane and combined in double in a fixed order at the end of the row (an order that
 // depends on V only). log p is formed as fma(x, lo, fma(x, hi, -lse)) with hi + lo = 1 / T (row_backward.h).
 #pragma once
@@ -17,20 +20,23 @@ struct MixtureRow {
   float hi, lo, lse, rlse, beta, one_minus_beta;
 };
 
-// log p, p, log m of kW entries (-inf entries: p = 0 and log p very negative, never NaN).
+// p, q and log(p / m), log(q / m) of kW entries (a -inf logit: probability 0; both 0 where log p == log q).
 struct MixtureVec {
-  Vec log_p, p, log_q, q, log_m;
+  Vec p, q, p_over_m, q_over_m;
 };
 
 inline MixtureVec mixture_vec(const Vec& xraw, const Vec& yraw, const MixtureRow& k) {
-  const Vec lowest(kLowest), vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse);
+  const Vec lowest(kLowest), vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), zero(0.f);
   const Vec xv = at::vec::clamp_min(xraw, lowest), yv = at::vec::clamp_min(yraw, lowest);
+  const Vec log_p = vfma(xv, vlo, vfma(xv, vhi, nlse));
+  const Vec log_q = vfma(yv, vlo, vfma(yv, vhi, nrlse));
   MixtureVec e;
-  e.log_p = vfma(xv, vlo, vfma(xv, vhi, nlse));
-  e.log_q = vfma(yv, vlo, vfma(yv, vhi, nrlse));
-  e.p = vexp(e.log_p);
-  e.q = vexp(e.log_q);
-  e.log_m = at::vec::fmadd(Vec(k.beta), e.q, Vec(k.one_minus_beta) * e.p).log();
+  e.p = vexp(log_p);
+  e.q = vexp(log_q);
+  const Vec log_m = at::vec::fmadd(Vec(k.beta), e.q, Vec(k.one_minus_beta) * e.p).log();
+  const Vec agree = log_p == log_q;
+  e.p_over_m = Vec::blendv(log_p - log_m, zero, agree);
+  e.q_over_m = Vec::blendv(log_q - log_m, zero, agree);
   return e;
 }
 
@@ -55,8 +61,8 @@ inline std::pair<double, double> jsd_forward_row(const T* x, const R* y, int64_t
   Vec kl_p[2] = {zero, zero}, kl_q[2] = {zero, zero};
   auto step = [&](const Vec& xv, const Vec& yv, int j) {
     const MixtureVec e = mixture_vec(xv, yv, k);
-    kl_p[j] = kl_p[j] + mul_where_pos(e.p, e.log_p - e.log_m);
-    kl_q[j] = kl_q[j] + mul_where_pos(e.q, e.log_q - e.log_m);
+    kl_p[j] = kl_p[j] + mul_where_pos(e.p, e.p_over_m);
+    kl_q[j] = kl_q[j] + mul_where_pos(e.q, e.q_over_m);
   };
   int64_t v = 0;
   for (; v + 2 * kW <= V; v += 2 * kW) {
@@ -84,7 +90,7 @@ inline void jsd_backward_row(const T* x, const R* y, T* g, int64_t V, const Mixt
   const Vec vkl(kl_student), vcoef(coef);
   auto grad_vec = [&](const Vec& xv, const Vec& yv) {
     const MixtureVec e = mixture_vec(xv, yv, k);
-    return vcoef * mul_where_pos(e.p, e.log_p - e.log_m - vkl);
+    return vcoef * mul_where_pos(e.p, e.p_over_m - vkl);
   };
   int64_t v = 0;
   for (; v + 2 * kW <= V; v += 2 * kW) {

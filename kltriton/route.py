@@ -113,23 +113,18 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
     group = None if shard is None else shard.group
     truncation = call.truncation
     if truncation.replay:
-        kept = replay.support(truncation.support_rows(layout.shape, device, vocab))
-        ids, own = kept.ids, kept.valid
-        if shard is not None:
-            local = ids - shard.start
-            own = own & (local >= 0) & (local < shard.size)
-            ids = torch.where(own, local, torch.zeros_like(local))
+        name = backend(call, "truncation")
+        ids = truncation_ops.replay_support(truncation.support_rows(layout.shape, device, vocab), name)
+        own = ids if shard is None else replay.shard_ids(ids, shard.start, shard.size)
         if side.weight is not None:
             if group is not None:
                 side = side._replace(x=parallel.replicated(side.x, group))
-            values = replay.project(side, ids, call.tile_elements)
+            values = replay.project(side, own, call.tile_elements)
         else:
-            values = replay.gather(side.x, ids)
+            values = truncation_ops.replay_columns(side.x, own, name)
         if group is not None:
-            values = parallel.sum_over_ranks(torch.where(own, values, torch.zeros_like(values)), group)
-        here, column = replay.label_in(kept, target)
-        label_value = values.gather(1, column[:, None]).squeeze(1)
-        return replay.statistics_of(values, kept.valid, here, label_value, target, temperature, request)
+            values = parallel.sum_over_ranks(values, group)
+        return truncation_ops.replay_statistics(values, ids, target, temperature, request, name)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
     name = backend(call, "truncation")
 

@@ -13,8 +13,9 @@ class TopK:
     log-probs there, ``logprobs [*S, K]`` (floating; ``-inf`` allowed: no mass), e.g. vLLM's ``top_logprobs``.
 
     Args:
-        ids: ``[*S, K]`` integer ids in ``[0, V)`` (global ids under vocab parallelism), ``-1`` = padding. The ids of
-            a position are distinct.
+        ids: ``[*S, K]`` integer ids in ``[0, V)`` (global ids under vocab parallelism), ``-1`` = padding. A
+            repeated id counts once, at its first occurrence (later ones are read as padding), the rule of
+            ``Truncation(support=ids)``.
         logprobs: ``[*S, K]`` the teacher's log-probs of those ids (already at the teacher's own temperature: the
             ``temperature`` of ``token_divergence`` applies to the student only). Ignored at padding.
         min_logprob: optional float: log-probs of both sides below it are raised to it before the divergence (verl's
@@ -36,7 +37,7 @@ class TopK:
             raise ValueError("TopK needs K >= 1 ids per position")
         if ids.device != logprobs.device:
             raise ValueError(f"TopK ids are on {ids.device} but logprobs on {logprobs.device}")
-        self.ids, self.logprobs = ids, logprobs
+        self.ids, self.logprobs = ids.masked_fill(repeats(ids), -1), logprobs
         self.min_logprob = check_float("min_logprob", min_logprob, allow_none=True)
 
     @property
@@ -50,3 +51,12 @@ class TopK:
 
     def __repr__(self):
         return f"TopK(ids={tuple(self.ids.shape)}, min_logprob={self.min_logprob})"
+
+
+def repeats(ids: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` bool: True where an id (``>= 0``) already occurs earlier in its row. One stable sort, no host
+    sync."""
+    key, order = ids.sort(dim=-1, stable=True)
+    later = torch.zeros_like(key, dtype=torch.bool)
+    later[..., 1:] = (key[..., 1:] == key[..., :-1]) & (key[..., 1:] >= 0)
+    return torch.zeros_like(later).scatter_(-1, order, later)

@@ -151,7 +151,8 @@ class Truncation:
         if ids.shape[-1] == 0:
             raise ValueError("support must hold at least one id per position (K >= 1)")
         ids = ids.reshape(-1, ids.shape[-1]).long()
-        if host_checks() and ids.numel() and bool(((ids < -1) | (ids >= vocab)).any()):
+        low, high = ids.aminmax() if host_checks() and ids.numel() else (None, None)
+        if low is not None and (low.item() < -1 or high.item() >= vocab):  # one pass over the ids, not four
             bad = ids[(ids < -1) | (ids >= vocab)][0].item()
             raise ValueError(f"support ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
         return ids.contiguous()

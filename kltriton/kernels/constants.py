@@ -26,6 +26,12 @@ GRADIENT_BASIS = ("label", "p", "p_logp", "p_logq", "q")
 P_LOGP, P_LOGQ = 1, 2
 Q = 4  # the reference's probabilities (the forward KL's gradient p - q)
 
+# --- order-independent sums ----------------------------------------------------------------------------
+# A sum of values in [0, 1] (exp(z - max) of a row) as int64 in units of 2^-FIXED_POINT_BITS, each term truncated
+# toward zero: integer addition is associative, so the sum does not depend on the order of its terms or on how
+# many zero terms (padding) it has (replay: ``kltriton.kernels.truncation.replay``). Up to 2^(63 - bits) terms.
+FIXED_POINT_BITS = 40
+
 # --- the loss family ------------------------------------------------------------------------------
 # Loss types and KL estimators cross into the kernels by name (Triton: constexpr strings; C++: matched
 # once per call): each kernel file lists the ones it implements (kltriton.kernels.loss.terms: all).
@@ -56,13 +62,14 @@ CPP_LINK_FLAGS = ("-fopenmp",)
 
 def cpp_defines() -> list:
     """This table as ``-D`` flags: ``KLTRITON_SKIP``, ``KLTRITON_STAT_<NAME>`` (index),
-    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits, ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``."""
+    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits,
+    ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_FIXED_POINT_BITS``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
              f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
              f"-DKLTRITON_WANT_FORWARD_KL={FORWARD_KL}",
              f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_BASIS_P_LOGP={P_LOGP}",
              f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_BASIS_Q={Q}",
-             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}"]
+             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}", f"-DKLTRITON_FIXED_POINT_BITS={FIXED_POINT_BITS}"]
     flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
     flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]
     flags += [f"-DKLTRITON_HP_{name.upper()}={i}" for i, name in enumerate(HYPERPARAMETERS)]

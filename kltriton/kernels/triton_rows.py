@@ -2,11 +2,17 @@
 
 One row of logits ``x`` (and optionally reference logits ``y``) is streamed over its vocabulary into a
 per-lane *state* tuple, merged, and finalized into the statistics of ``kltriton.kernels.statistics`` in
-their order (``constants.STATISTICS``). The state, with ``w = (x - frame) * log2(e) / T`` and the frame
-the running max (``_frame``):
+their order (``constants.STATISTICS``). The state, with ``h = x H - frame H`` (``H = 2^-33``: ``(x - frame) H``
+exactly rounded, never overflowing), ``w = h * log2(e) / (T H)`` (the bits of ``(x - frame) * log2(e) / T``) and
+the frame the running max (``_frame``):
 
     (m, s, t, my, sy, u, v): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
-                             sy = sum 2^wy, u = sum 2^w * (w - wy), v = sum 2^wy * (wy - w)
+                             sy = sum 2^wy, u = sum 2^w * (h - hy), v = sum 2^wy * (hy - h)
+
+The KL sums ``u`` and ``v`` are in the units of ``h``, not in the base-2 units of ``w``: a ``finfo.min`` logit
+under the other side's mass has a ``w`` beyond fp32, yet the row's KL (the sum over ``s``) may be finite in fp32
+(about 4.8e36); in units of ``h`` a lane's sum of up to ``V`` such terms stays in fp32 (terms below ``2^-93``
+vanish, far below the KL's rounding). The factor ``1 / (T H)`` is applied once, in ``finalize``.
 
 Each lane keeps its own state over the values it loads, so the vocab loop has no barrier; lanes (and
 vocab chunks of a split row) are merged once, in a fixed order. ``WANT`` (a constexpr) holds the request
@@ -40,7 +46,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Exponents are kept in base-2 units. exp2 of anything below W_FLOOR is 0 in fp32, so clamping a
 # difference there changes no value and keeps 0 * -inf (a banned token) out of the sums.
 W_FLOOR = tl.constexpr(-150.0)
-NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+H = tl.constexpr(2.0 ** -33)  # the scale of h (see above)
 STATE_SIZE = 7  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
 
 # Launch settings (not yet tuned on hardware: see benchmarks/static.py for what they compile to).
@@ -136,6 +142,13 @@ def clamp(value, low, high):
 
 
 @triton.jit
+def nonnegative(value):
+    """A divergence's value, its rounding below 0 (nearly identical distributions) read as 0 (-0 as +0), NaN
+    kept."""
+    return tl.where(value <= 0.0, 0.0, value)
+
+
+@triton.jit
 def _clamp_nonpositive(logp):
     # tl.minimum drops NaN by default (GPU min.f32 returns the other operand); keep it.
     return tl.minimum(logp, 0.0, propagate_nan=tl.PropagateNan.ALL)
@@ -168,8 +181,15 @@ def empty_state(LANES: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, frame):
+    """``(x - frame) H`` exactly rounded, never overflowing (``x - frame`` may: ``-finfo.max - finfo.max``)."""
+    return x * H - frame * H
+
+
+@triton.jit
 def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
-    """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``."""
+    """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``. A lane whose old
+    mass vanishes in the move (``alpha = 0``) keeps no KL term, even an infinite one."""
     m, s, t, my, sy, u, v = state
     f_new = _frame(m_new)
     d = _shift(_frame(m), f_new, c2, W_FLOOR)
@@ -182,12 +202,12 @@ def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
         dy = _shift(_frame(my), fy_new, c2, W_FLOOR)
         alpha_y = tl.exp2(dy)
         sy = sy * alpha_y
+        dh = _scaled(_frame(m), f_new)  # the frames' moves in the units of h: finite, <= 0
+        dyh = _scaled(_frame(my), fy_new)
         if WANT_FULL_KL & WANT:
-            # No W_FLOOR for the reference: a far smaller log q is a large finite KL term.
-            u = alpha * u + s_moved * (d - _shift(_frame(my), fy_new, c2, NEG_FLT_MAX))
+            u = tl.where(alpha > 0, alpha * u + s_moved * (dh - dyh), 0.0)
         if WANT_FORWARD_KL & WANT:
-            # The same with the roles swapped: a far smaller log p is a large finite forward-KL term.
-            v = alpha_y * v + sy * (dy - _shift(_frame(m), f_new, c2, NEG_FLT_MAX))
+            v = tl.where(alpha_y > 0, alpha_y * v + sy * (dyh - dh), 0.0)
     return m_new, s_moved, t, my_new, sy, u, v
 
 
@@ -200,24 +220,24 @@ def fold(x, y, state, c2, WANT: tl.constexpr):
     if WANT_REF & WANT:
         my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
     m, s, t, my, sy, u, v = _rescale(state, m_new, my_new, c2, WANT)
-    w_raw = (x - _frame(m)[None, :, None]) * c2
-    w = w_raw
-    if (WANT_ENTROPY | WANT_FULL_KL) & WANT:
+    h = _scaled(x, _frame(m)[None, :, None])
+    w = h * (c2 / H)  # the bits of (x - frame) * c2
+    if WANT_ENTROPY & WANT:
         w = tl.maximum(w, W_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit stays NaN
     e = tl.exp2(w)
     s += tl.sum(tl.sum(e, axis=2), axis=0)
     if WANT_ENTROPY & WANT:
         t += tl.sum(tl.sum(e * w, axis=2), axis=0)
     if WANT_REF & WANT:
-        wy = (y - _frame(my)[None, :, None]) * c2
-        ey = tl.exp2(wy)
+        hy = _scaled(y, _frame(my)[None, :, None])
+        ey = tl.exp2(hy * (c2 / H))
         sy += tl.sum(tl.sum(ey, axis=2), axis=0)
         if WANT_FULL_KL & WANT:
-            # A token the reference bans (wy = -inf) that the policy uses gives KL = inf.
-            u += tl.sum(tl.sum(tl.where(e > 0, e * (w - wy), 0.0), axis=2), axis=0)
+            # A token the reference bans (hy = -inf) that the policy uses gives KL = inf.
+            u += tl.sum(tl.sum(tl.where(e > 0, e * (h - hy), 0.0), axis=2), axis=0)
         if WANT_FORWARD_KL & WANT:
-            # A token the policy bans (w = -inf) that the reference uses gives KL(q || p) = inf.
-            v += tl.sum(tl.sum(tl.where(ey > 0, ey * (wy - w_raw), 0.0), axis=2), axis=0)
+            # A token the policy bans (h = -inf) that the reference uses gives KL(q || p) = inf.
+            v += tl.sum(tl.sum(tl.where(ey > 0, ey * (hy - h), 0.0), axis=2), axis=0)
     return m, s, t, my, sy, u, v
 
 
@@ -307,9 +327,9 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
         ref_logp = _clamp_nonpositive((y_label - fy) * inv_temperature - log_sy)
         ref_lse = fy * inv_temperature + log_sy
         if WANT_FULL_KL & WANT:
-            full_kl = u / s * LN2 - log_s + log_sy
+            full_kl = nonnegative(u / s * (inv_temperature / H) - log_s + log_sy)
         if WANT_FORWARD_KL & WANT:
-            forward_kl = v / sy * LN2 - log_sy + log_s
+            forward_kl = nonnegative(v / sy * (inv_temperature / H) - log_sy + log_s)
     return logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl
 
 

@@ -1,7 +1,7 @@
 """Custom ops from declared arguments: one ``torch.library`` op per kernel pass, keyed on sides.
 
 An op declares its arguments once, as ``(name, kind)`` pairs. A kind is a schema type (``TENSOR``, ``OPTIONAL``,
-``INT``, ``BOOL``, ``STR``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
+``INT``, ``BOOL``, ``STR``, ``DTYPE``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
 value: ``SIDE`` (a ``kltriton.kernels.linear.Side``: dense logits, or an LM head's hidden states, weight, bias,
 scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``NEEDS_GRAD``
 (which of a side's hidden states or logits, weight and bias get a gradient), ``LOSS_INPUTS``. The schema lists a
@@ -21,7 +21,7 @@ from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import LossInputs
 from kltriton.kernels.statistics import Basis
 
-TENSOR, OPTIONAL, INT, BOOL, STR = "Tensor", "Tensor?", "int", "bool", "str"
+TENSOR, OPTIONAL, INT, BOOL, STR, DTYPE = "Tensor", "Tensor?", "int", "bool", "str", "ScalarType"
 
 
 class NeedsGrad(NamedTuple):

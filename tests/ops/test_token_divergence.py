@@ -158,14 +158,15 @@ def test_masked_teacher_logits(backend, device, temperature):
 
 def test_finfo_min_teacher_under_student_mass(backend, device):
     """A teacher at ``finfo.min`` where the student has mass (one entry; a one-hot teacher): the reverse KL is the
-    huge log-ratio or ``+inf`` (kernels in base-2 exponents overflow), never NaN, with a NaN-free gradient; the
-    forward KL and the JSD stay finite and exact."""
+    huge float64 value (finite in fp32: 1e37 to 1e38), never ``+inf`` or NaN, with a NaN-free gradient; the forward
+    KL and the JSD stay finite and exact."""
     gen = torch.Generator().manual_seed(11)
     student = torch.randn(3, 300, generator=gen) * 2
     teacher = student + torch.randn(3, 300, generator=gen)
     teacher[0, 10] = torch.finfo(torch.float32).min
     teacher[1] = torch.finfo(torch.float32).min
     teacher[1, 5] = 0.0
+    student[1, 5] = 12.0  # the student's mass mostly there: a reverse KL of ~1e38, not beyond fp32
     student, teacher = student.to(device), teacher.to(device)
     labels = torch.zeros(3, dtype=torch.long, device=device)
     for divergence in ("reverse_kl", "forward_kl", "jsd"):
@@ -177,13 +178,63 @@ def test_finfo_min_teacher_under_student_mass(backend, device):
             assert not torch.isnan(out).any() and not torch.isnan(x.grad).any(), (divergence, reduction)
             expected = oracle(student, teacher, divergence, 0.5, 1.0)
             if divergence == "reverse_kl":
-                assert bool((out.view(-1)[:2] >= 1e35).all()) if reduction == "none" else out.item() >= 1e35
-                if reduction == "none":
-                    assert_close(out[2], expected[2].float(), 1e-5, 1e-5, what="reverse_kl, no finfo.min")
-            else:
-                target = expected.float() if reduction == "none" else expected.sum().float()
-                assert torch.isfinite(out).all()
-                assert_close(out, target, 2e-5, 1e-5, what=f"{divergence} {reduction}")
+                assert bool((expected[:2] >= 1e35).all())
+            target = expected.float() if reduction == "none" else expected.sum().float()
+            assert torch.isfinite(out).all()
+            assert_close(out, target, 2e-5, 1e-5, what=f"{divergence} {reduction}")
+
+
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+def test_finfo_min_under_the_other_sides_mass_is_the_float64_value(backend, temperature):
+    """Issue 33: a ``finfo.min`` logit on one side where the other side has mass gives a divergence near 1e36 that
+    fp32 holds (``x / T`` is beyond fp32, its term is not), on every backend: the float64 value, not ``+inf``
+    (C++ AVX-512 and Triton scaled ``x - max`` by ``log2(e) / T`` before multiplying by the mass). Student at
+    ``finfo.min`` under teacher mass: the forward KL; the mirror: the reverse KL; both at once; the JSD (bounded)
+    stays exact. Fused (``"sum"``) and unfused (``"none"``) routes, gradients free of NaN."""
+    gen = torch.Generator().manual_seed(31)
+    student = torch.randn(4, 257, generator=gen) * 2
+    teacher = torch.randn(4, 257, generator=gen) * 2
+    low = torch.finfo(torch.float32).min
+    student[0, 3] = low                       # forward KL ~ q_3 * 3.4e38 / T
+    teacher[1, 5] = low                       # reverse KL ~ p_5 * 3.4e38 / T
+    student[2, 7], teacher[2, 9] = low, low   # both
+    student[3, ::2] = low                     # every other student logit, the teacher's mass on half of them
+    labels = torch.zeros(4, dtype=torch.long)
+    for divergence, beta in (("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("jsd", 0.0), ("jsd", 1.0)):
+        expected = oracle(student, teacher, divergence, beta, temperature)
+        assert bool(torch.isfinite(expected.float()).all()) and bool((expected.max() > 1e30) or divergence == "jsd")
+        for reduction in ("none", "sum"):
+            x = student.clone().requires_grad_()
+            out = kltriton.token_divergence(x, teacher, labels, divergence=divergence, beta=beta,
+                                            reduction=reduction, temperature=temperature, backend=backend)
+            out.sum().backward()
+            target = expected.float() if reduction == "none" else expected.sum().float()
+            assert_close(out, target, 2e-5, 2e-6, what=f"{divergence} beta={beta} {reduction}")
+            assert not torch.isnan(x.grad).any(), (divergence, beta, reduction)
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.1), ("jsd", 0.5),
+                                             ("jsd", 0.9)])
+def test_identical_distributions_diverge_by_exactly_zero(backend, dtype, divergence, beta):
+    """A student and a teacher with the same logits (``finfo.min`` and ``-inf`` entries included): the divergence is
+    exactly +0 on every backend and route (the JSD went down to -3.3e-8), its gradient 0 up to rounding; nearly
+    identical ones are never negative."""
+    gen = torch.Generator().manual_seed(32)
+    student = random_logits((6, 1000), dtype, generator=gen)
+    student[1, ::5] = torch.finfo(dtype).min
+    student[2, 10:40] = float("-inf")
+    labels = torch.zeros(6, dtype=torch.long)
+    for reduction in ("none", "sum"):
+        x = student.clone().requires_grad_()
+        out = kltriton.token_divergence(x, student.clone(), labels, divergence=divergence, beta=beta,
+                                        reduction=reduction, temperature=0.7, backend=backend)
+        out.sum().backward()
+        assert bool((out == 0).all()) and not torch.signbit(out).any(), (reduction, out)
+        assert_close(x.grad, torch.zeros_like(x.grad), 1e-6, what=f"{reduction} grad")  # 0 up to rounding
+    nearly = student.float() + torch.randn(student.shape, generator=gen) * 1e-3
+    out = kltriton.token_divergence(student, nearly, labels, divergence=divergence, beta=beta, temperature=0.7,
+                                    backend=backend)
+    assert bool((out >= 0).all()) and not torch.signbit(out).any(), out
 
 
 def test_packed_equals_padded(backend, device):
@@ -346,6 +397,31 @@ def test_topk_against_float64(backend, dtype, tail):
         assert_close(out, expected, value_atol(student, 0.8) * 8, 1e-5, what=f"{divergence} {tail}")
         g_atol, _ = grad_tols(student, 0.8, upstream)
         assert_close(x.grad, x64.grad, g_atol * 4, MIXED_GRAD_RTOL[dtype], what=f"{divergence} {tail} grad")
+
+
+def test_topk_repeated_ids_count_once(backend):
+    """A ``TopK`` id repeated at a position counts once, at its first occurrence (the replay support's rule): the
+    same values and gradients, bitwise, as the ids with the repeats replaced by ``-1``, and the float64 value."""
+    gen = torch.Generator().manual_seed(33)
+    student = random_logits((2, 3, 300), torch.float32, generator=gen)
+    teacher = random_logits((2, 3, 300), torch.float32, generator=gen)
+    ids, logp = _topk_teacher(teacher, 6, gen, pad=False)
+    repeated = torch.cat([ids, ids[..., :2], ids[..., 4:5]], -1)
+    repeated_logp = torch.cat([logp, torch.full((2, 3, 3), -0.5)], -1)   # ignored: the first occurrence counts
+    unique = torch.cat([ids, torch.full((2, 3, 3), -1)], -1)
+    assert torch.equal(kltriton.TopK(repeated, repeated_logp).ids, unique)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        results = []
+        for teacher_ids, teacher_logp in ((repeated, repeated_logp), (unique, repeated_logp)):
+            x = student.clone().requires_grad_()
+            out = kltriton.token_divergence(x, kltriton.TopK(teacher_ids, teacher_logp), labels,
+                                            divergence=divergence, backend=backend)
+            out.sum().backward()
+            results.append((out, x.grad))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1]), divergence
+        expected = topk_oracle(student.double(), unique, repeated_logp, divergence, 0.5, "bucket", 1.0)
+        assert_close(results[0][0], expected, 2e-5, 1e-5, what=divergence)
 
 
 def test_topk_k_equals_v_is_dense_and_k_one(backend):

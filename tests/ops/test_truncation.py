@@ -156,7 +156,7 @@ def test_replay_matches_recompute_and_vllm(tbackend):
     ids = torch.where(kept, torch.arange(401).expand(12, -1), torch.full((12, 401), -1)).sort(-1, descending=True)
     support = ids.values[:, :k + 3].view(2, 6, -1)          # the kept ids, -1 padded
     x = logits.clone().requires_grad_()
-    logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.9, return_entropy=True,
+    logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.9, return_entropy=True, backend=tbackend,
                                             truncation=kltriton.Truncation(support=support))
     expected = full.gather(1, labels.view(-1, 1)).view(2, 6)
     assert_close(logp, expected, value_atol(logits, 0.9), what="replay logp")
@@ -166,6 +166,175 @@ def test_replay_matches_recompute_and_vllm(tbackend):
                                          backend=tbackend)
     ok = ~ambiguous_rows(logits.view(12, -1).double(), 0.9, 0.9).view(2, 6)
     assert_close(recomputed[ok], logp[ok].detach(), value_atol(logits, 0.9))
+
+
+def replay_oracle(logits, support, temperature):
+    """``(log-probs [N, V], kept [N, V])`` in float64 of each row restricted to the set of its ``support`` ids
+    (``-1`` padding, repeats counted once): ``-inf`` outside the kept set, a row that keeps nothing all ``-inf``.
+    Differentiable w.r.t. ``logits`` (float64, ``[N, V]``) without a NaN in the backward."""
+    ids = support.reshape(logits.shape[0], -1)
+    kept = torch.zeros(logits.shape, dtype=torch.long).scatter_add_(1, ids.clamp(min=0), (ids >= 0).long()) > 0
+    z = torch.where(kept, logits / temperature, torch.tensor(-math.inf, dtype=torch.float64))
+    some = kept.any(-1, keepdim=True)
+    z = torch.where(some, z, torch.zeros_like(z))  # no kept id: no distribution (masked below)
+    logp = z - torch.logsumexp(z, -1, keepdim=True)
+    return torch.where(kept, logp, torch.tensor(-math.inf, dtype=torch.float64)), kept
+
+
+def _replay_case(gen, dtype, n=10, vocab=401):
+    """Logits with ``finfo.min`` stretches and a ragged support: ``-1`` padded, repeated ids, a row whose label is
+    outside its kept set, a row that keeps nothing, a row that keeps one id, a kept ``finfo.min`` logit."""
+    logits = distinct_logits((n, vocab), generator=gen).to(dtype)
+    logits[:, ::9] = torch.finfo(dtype).min
+    support = torch.full((n, 30), -1, dtype=torch.long)
+    counts = torch.randint(2, 25, (n,), generator=gen)
+    labels = torch.empty(n, dtype=torch.long)
+    for row in range(n):
+        ids = torch.randperm(vocab, generator=gen)[:counts[row]]
+        support[row, :counts[row]] = ids
+        support[row, counts[row]:counts[row] + 3] = ids[:3]                   # repeated ids
+        labels[row] = ids[torch.randint(0, int(counts[row]), (1,), generator=gen)]
+    labels[1] = next(v for v in range(vocab) if not bool((support[1] == v).any()))  # outside the kept set
+    support[2] = -1                                                           # keeps nothing
+    support[3, 1:] = support[3, 0]                                            # one id, repeated
+    labels[3] = support[3, 0]
+    support[4, 5] = 9                                                         # a finfo.min logit kept
+    return logits, support, labels
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_replay_padding_and_repeats_against_float64(tbackend, dtype):
+    """Values and gradients (random upstream on the log-prob, entropy with weight 0.3) of a ragged, ``-1``-padded
+    support with repeated ids against float64 autograd through the restricted softmax: finite gradients (the
+    NaN of issue 33 came from a ``where`` whose untaken branch was ``-inf``), zero outside the kept set."""
+    gen = torch.Generator().manual_seed(21)
+    logits, support, labels = _replay_case(gen, dtype)
+    upstream = torch.randn(labels.shape, generator=gen) * 2
+    x = logits.clone().requires_grad_()
+    logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.8, return_entropy=True, backend=tbackend,
+                                            truncation=kltriton.Truncation(support=support))
+    (grad,) = torch.autograd.grad((logp * upstream).sum() + 0.3 * entropy.sum(), x)
+
+    x64 = logits.double().requires_grad_()
+    lp64, kept = replay_oracle(x64, support, 0.8)
+    label_lp = lp64.gather(1, labels[:, None]).squeeze(1)
+    inside = torch.isfinite(label_lp)
+    safe = torch.where(kept, lp64, 0.0)
+    ent64 = -torch.where(kept, safe.exp() * safe, 0.0).sum(-1)
+    (expected,) = torch.autograd.grad((torch.where(inside, label_lp, 0.0) * upstream).sum() + 0.3 * ent64.sum(), x64)
+    tol = value_atol(logits, 0.8)
+    assert_close(logp, label_lp, tol, what="logp")
+    assert_close(entropy, ent64, 4 * tol, what="entropy")
+    assert logp[1] == -math.inf and logp[2] == -math.inf and entropy[2] == 0 and logp[3] == 0 and entropy[3] == 0
+    assert torch.isfinite(grad).all() and bool((grad[~kept] == 0).all()) and bool((grad[2] == 0).all())
+    assert_close(grad, expected, 4 * tol * 2, STORE_RTOL[dtype], what="grad")
+
+
+@pytest.mark.parametrize("loss_type", ("ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo", "gpg", "clip_cov",
+                                       "kl_cov", "geo_mean", "dppo_tv", "vespo"))
+def test_replay_policy_loss_gradient_is_finite_and_drops_empty_rows(tbackend, loss_type):
+    """``policy_loss`` differentiates the entropy even with ``entropy_coef=0``: with a ``-1``-padded support its
+    logits gradient is finite for every loss type (issue 33's repro), and a scored position whose support is all
+    ``-1`` keeps nothing: log-prob ``-inf``, counted in ``outside_support_frac`` and dropped, no gradient."""
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(2, 4, 8, generator=gen)
+    support = torch.tensor([0, 1, 2, -1]).expand(2, 4, 4).clone()
+    support[1, 2] = -1
+    labels = torch.zeros(2, 4, dtype=torch.long)
+    advantages, old = torch.randn(2, 4, generator=gen), torch.full((2, 4), -1.1)
+    truncation = kltriton.Truncation(support=support)
+    x = logits.clone().requires_grad_()
+    out = kltriton.policy_loss(x, labels, advantages, old_logprobs=old, loss_type=loss_type, truncation=truncation,
+                               backend=tbackend)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all(), loss_type
+    assert out.logprobs[1, 2] == -math.inf and bool((x.grad[1, 2] == 0).all())
+    assert bool((x.grad[..., 3:] == 0).all())
+    assert_close(out.metrics["outside_support_frac"], torch.tensor(1 / 8), 1e-7)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 2] = False
+    masked = kltriton.policy_loss(logits, labels, advantages, old_logprobs=old, loss_type=loss_type, mask=mask,
+                                  truncation=truncation, backend=tbackend)
+    assert_close(out.loss, masked.loss, 1e-6, 1e-6, what="the dropped position as a masked one")
+
+
+def _replay_outputs(logits, labels, support, backend, upstream):
+    x = logits.clone().requires_grad_()
+    logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.7, return_entropy=True, backend=backend,
+                                            truncation=kltriton.Truncation(support=support))
+    (grad,) = torch.autograd.grad((logp.masked_fill(logp.isinf(), 0) * upstream).sum() - 0.2 * entropy.sum(), x)
+    return logp, entropy, grad
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_replay_is_bitwise_independent_of_padding_order_and_batch(tbackend, dtype):
+    """Every bit of the values and gradients is independent of how wide the support is padded (its tight width,
+    41 and 512 columns), of the order and repetitions of the ids, and of the other rows (a row alone against the
+    row inside the batch)."""
+    gen = torch.Generator().manual_seed(23)
+    logits, support, labels = _replay_case(gen, dtype)
+    upstream = torch.randn(labels.shape, generator=gen)
+    tight = max(int((support >= 0).sum(-1).max()), 1)
+    canonical = torch.where(support >= 0, support, torch.iinfo(torch.long).max).sort(-1).values[:, :tight]
+    canonical = torch.where(canonical == torch.iinfo(torch.long).max, -1, canonical)
+    expected = _replay_outputs(logits, labels, canonical, tbackend, upstream)
+    widths = {}
+    for width in (41, 512):
+        padded = torch.full((support.shape[0], width), -1, dtype=torch.long)
+        padded[:, :support.shape[1]] = support
+        widths[width] = padded[:, torch.randperm(width, generator=gen)]   # padding and repeats anywhere
+    for name, wide in widths.items():
+        for field, a, e in zip(("logp", "entropy", "grad"), _replay_outputs(logits, labels, wide, tbackend,
+                                                                            upstream), expected):
+            assert torch.equal(a, e), f"K={name}: {field} differs"
+    for row in (0, 4, 7):
+        alone = _replay_outputs(logits[row:row + 1], labels[row:row + 1], widths[41][row:row + 1], tbackend,
+                                upstream[row:row + 1])
+        for field, a, e in zip(("logp", "entropy", "grad"), alone, expected):
+            assert torch.equal(a[0], e[row]), f"row {row} alone: {field} differs"
+
+
+def test_replay_ops_pass_opcheck(tbackend):
+    """The replay custom ops (``kltriton::replay_columns``, ``kltriton::replay_statistics``): schema, fake tensors and
+    autograd registration, as ``torch.library.opcheck`` checks them (``torch.compile`` traces through them)."""
+    from kltriton.kernels import constants
+    from kltriton.ops import truncation as ops
+
+    gen = torch.Generator().manual_seed(24)
+    logits = torch.randn(2, 3, 50, generator=gen, requires_grad=True)
+    ids = ops.replay_support(torch.randint(-1, 50, (6, 7), generator=gen), tbackend)
+    target = torch.where(ids[:, 0] >= 0, ids[:, 0], 3)
+    target[1] = constants.SKIP
+    temperature = torch.tensor(0.8, dtype=torch.float64)
+    torch.library.opcheck(ops._columns_op.custom_op, (logits, ids, tbackend))
+    values = ops.replay_columns(logits.detach(), ids, tbackend).requires_grad_()
+    for request in (0, constants.ENTROPY):
+        torch.library.opcheck(ops._replay_statistics_op.custom_op, (values, ids, target, temperature, request,
+                                                                    tbackend))
+
+
+def test_replay_compiles_fullgraph(tbackend):
+    """``torch.compile(fullgraph=True)`` traces replay (its support, columns, statistics and their backward are
+    custom ops) and gives the eager values and gradient, bitwise."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gen = torch.Generator().manual_seed(25)
+    x = torch.randn(4, 50, generator=gen).requires_grad_()
+    labels = torch.randint(0, 50, (4,), generator=gen)
+    support = x.detach().topk(8).indices
+    support[:, 6:] = -1
+    support[1, 3] = support[1, 2]
+
+    def loss(x, labels, support):
+        logp, entropy = kltriton.token_logprobs(x, labels, temperature=0.9, return_entropy=True, backend=tbackend,
+                                                truncation=kltriton.Truncation(support=support))
+        return logp.masked_fill(logp.isinf(), 0).sum() + entropy.sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    got, expected = compiled(x, labels, support), loss(x, labels, support)
+    assert torch.equal(got, expected) and counter.frame_count == 1
+    assert torch.equal(torch.autograd.grad(got, x)[0], torch.autograd.grad(expected, x)[0])
 
 
 def test_packed_equals_padded(tbackend):
@@ -210,6 +379,15 @@ def test_linear_logits(tbackend, replay):
     dense_ref = 6.0 * torch.tanh(dense_ref / 6.0)
     (d_h,) = torch.autograd.grad(dense_ref, hidden, d.grad)
     assert_close(h.grad, d_h, 1e-4, 1e-4, what="hidden grad")
+    if replay:  # every bit independent of the support's padding width and order
+        wide = torch.cat([support, torch.full((3, 4, 29), -1)], -1)[..., torch.randperm(41, generator=gen)]
+        h2, w2, b2 = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+        linear = kltriton.LinearLogits(h2, w2, b2, logit_scale=0.5, softcap=6.0, tile_elements=2 * 257)
+        again = kltriton.token_logprobs(linear, labels, temperature=0.8, truncation=kltriton.Truncation(support=wide),
+                                        backend=tbackend)
+        (again * upstream).masked_fill(~finite, 0).sum().backward()
+        assert torch.equal(again, actual) and torch.equal(h2.grad, h.grad) and torch.equal(w2.grad, w.grad)
+        assert torch.equal(b2.grad, b.grad)
 
 
 def test_policy_loss_and_reward_drop_rows_outside_the_kept_set(tbackend):
@@ -286,15 +464,24 @@ def _vocab_parallel_worker(rank, world, init_file, report_dir):
     x = distinct_logits((4, 5, sum(sizes)), generator=gen).float()
     labels = x.argmax(-1)
     labels[0, 0] = x[0, 0].argmin()
+    support = torch.cat([x.topk(30).indices, torch.full((4, 5, 7), -1)], -1)   # -1 padded, repeated ids, a row
+    support[..., 30:33] = support[..., :3]                                     # that keeps nothing
+    support[1, 2] = -1
     report = {}
     for name, truncation in (("recompute", kltriton.Truncation(top_k=40, top_p=0.9, min_p=0.01)),
-                             ("replay", kltriton.Truncation(support=x.topk(30).indices))):
+                             ("replay", kltriton.Truncation(support=support))):
         full, part = x.clone().requires_grad_(), x[..., start:stop].clone().requires_grad_()
-        a = kltriton.token_logprobs(full, labels, temperature=0.9, truncation=truncation, backend="cpp")
-        b = kltriton.token_logprobs(part, labels, temperature=0.9, truncation=truncation, backend="cpp",
-                                    process_group=dist.group.WORLD)
-        a.masked_fill(a.isinf(), 0).sum().backward()
-        b.masked_fill(b.isinf(), 0).sum().backward()
+        a, ha = kltriton.token_logprobs(full, labels, temperature=0.9, truncation=truncation, backend="cpp",
+                                        return_entropy=True)
+        b, hb = kltriton.token_logprobs(part, labels, temperature=0.9, truncation=truncation, backend="cpp",
+                                        process_group=dist.group.WORLD, return_entropy=True)
+        weight = 0.5 if name == "replay" else 0.0
+        (a.masked_fill(a.isinf(), 0).sum() + weight * ha.sum()).backward()
+        (b.masked_fill(b.isinf(), 0).sum() + weight * hb.sum()).backward()
+        if name == "replay":  # the K values are exchanged exactly (one rank holds each), then the same arithmetic
+            report[name] = (torch.equal(a, b) and torch.equal(ha, hb)
+                            and torch.equal(full.grad[..., start:stop], part.grad))
+            continue
         same = torch.equal(a.isinf(), b.isinf()) and torch.allclose(a[a.isfinite()], b[b.isfinite()], atol=1e-5)
         report[name] = same and torch.allclose(full.grad[..., start:stop], part.grad, atol=1e-6)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:

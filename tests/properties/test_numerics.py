@@ -15,9 +15,10 @@ import torch
 
 from helpers import MIXED_GRAD_RTOL, assert_close, kernel_backward, kernel_forward, temp
 from kltriton import dispatch
+from kltriton.kernels import statistics
 from kltriton.kernels.stream import reference
 
-from masked_rows import MASKS, masked_rows  # noqa: E402
+from masked_rows import MASKS, VOCAB, masked_rows  # noqa: E402
 
 
 def _impl(backend):
@@ -96,3 +97,46 @@ def test_nan_and_inf_logits_propagate_and_share_one_gradient_rule(backend):
     ones = torch.ones(4)
     grad = kernel_backward(_impl(backend), x, y, t, temp(1.0), got, ones, ones, ones)
     assert (grad[1:] == 0).all() and torch.isfinite(grad[0]).all() and (grad[0] != 0).any()
+
+
+def _kl_rows(dtype):
+    """``[R, V]`` policy / reference rows whose KL terms pass through a log-prob beyond fp32: a ``finfo.min`` logit
+    on one side where the other has mass (forward KL, full KL, both), masks that cross the kernels' blocks, and
+    ``+-max`` rows (bf16's max is just below fp32's) whose float64 KL is finite in fp32 (the first is exactly 0)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, VOCAB, generator=g) * 2
+    y = torch.randn(8, VOCAB, generator=g) * 2
+    low, big = torch.finfo(dtype).min, torch.finfo(dtype).max
+    x[0, 3] = low                                  # forward KL ~ q_3 * |finfo.min| / T
+    y[1, 4100] = low                               # full KL ~ p_4100 * |finfo.min| / T (the second C++ block)
+    x[2, 7], y[2, 4400] = low, low
+    x[3, ::3] = low                                # the teacher's mass on a third of the masked logits
+    x[4, :], y[4, :] = -big, -big                  # +-max, the same rows: KL 0
+    x[4, [5, 4321]], y[4, [5, 4321]] = big, big
+    x[5, :] = -big                                 # the policy's mass at +max, the reference's -max there:
+    x[5, 11], y[5, 11] = big, -big                 # a KL of about max (finite)
+    x[6, :4200], y[6, 4200:] = -big, -big          # +-max rows that start and end a block
+    x[6, 4300], y[6, 17] = big, big
+    x[7] = y[7]                                    # identical rows: exactly 0
+    return x.to(dtype), y.to(dtype), torch.zeros(8, dtype=torch.long)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kl_through_a_log_prob_beyond_fp32_is_the_float64_value(backend, dtype, temperature):
+    """Issue 33: where a KL's float64 value is finite in fp32, every backend returns it (C++ AVX-512 and Triton
+    scaled ``x - max`` by ``log2(e) / T`` before weighting it by the other side's mass, and gave ``+inf``); where it is
+    not (a ``+-max`` row at ``T < 1``), ``inf`` or NaN as fp32 has it. The full KL (``KL(p || q)``) and the forward KL
+    (``KL(q || p)``); both exactly 0 on identical rows, and never negative."""
+    if dtype == torch.float16 and temperature < 1.0:
+        pytest.skip("fp16's max over T is an fp32 number: no row here is beyond fp32")
+    x, y, t = _kl_rows(dtype)
+    for name in ("full_kl", "forward_kl"):
+        wanted = statistics.request(ref=True, **{name: True})
+        got = _impl(backend).forward(x, y, t, temp(temperature), wanted)
+        exp = reference.forward(x.double(), y.double(), t, temp(temperature), wanted)
+        a, e = getattr(got, name), getattr(exp, name).float()
+        finite = torch.isfinite(e) & torch.isfinite(exp.lse.float()) & torch.isfinite(exp.ref_lse.float())
+        # the cases do reach beyond fp32 (fp16's finfo.min does not)
+        assert finite[:4].all() and (bool((e[:4] > 1e30).any()) or dtype == torch.float16), (name, e)
+        assert_close(a[finite], e[finite], 2e-4, 2e-5, what=name)
+        assert bool((a[finite] >= 0).all()) and a[7] == 0 and not torch.signbit(a[7]), (name, a)

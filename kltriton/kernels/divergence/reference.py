@@ -25,9 +25,16 @@ def _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, dtype):
     return log_p, log_q
 
 
-def log_mixture(log_p, log_q, beta):
-    """``log(beta * q + (1 - beta) * p)`` elementwise (``-inf`` where both are 0)."""
-    return torch.logaddexp(log_p + torch.log1p(-beta), log_q + torch.log(beta))
+def ratios(log_p, log_q, beta):
+    """``(log(p / m), log(q / m))`` elementwise, ``m = beta q + (1 - beta) p``, without ``log m``: from
+    ``d = log q - log p`` the smaller side's ``log(m / side) = log1p(weight * expm1(-|d|))``, exactly 0 where the rows
+    agree (the C++ and Triton kernels snap those entries to 0 instead); ``inf`` / NaN only on a side whose
+    probability is 0."""
+    d = log_q - log_p
+    q_smaller = d <= 0
+    weight = torch.where(q_smaller, beta, 1 - beta)
+    smaller = torch.log1p(weight * torch.expm1(torch.where(q_smaller, d, -d)))
+    return 0.0 - torch.where(q_smaller, smaller, smaller + d), 0.0 - torch.where(q_smaller, smaller - d, smaller)
 
 
 def _times(prob, values):
@@ -54,10 +61,10 @@ def forward(logits, ref_logits, target, temperature, lse, ref_lse, beta):
         if rows.numel() == 0:
             continue
         log_p, log_q = _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, acc)
-        log_m = log_mixture(log_p, log_q, b)
-        kl_p = _times(log_p.exp(), log_p - log_m).sum(-1)
-        kl_q = _times(log_q.exp(), log_q - log_m).sum(-1)
-        jsd[rows] = b * kl_q + (1 - b) * kl_p
+        p_over_m, q_over_m = ratios(log_p, log_q, b)
+        kl_p = _times(log_p.exp(), p_over_m).sum(-1)
+        kl_q = _times(log_q.exp(), q_over_m).sum(-1)
+        jsd[rows] = stream.nonnegative(b * kl_q + (1 - b) * kl_p)
         kl_student[rows] = kl_p
     return jsd, kl_student
 
@@ -73,7 +80,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_stu
         if rows.numel() == 0:
             continue
         log_p, log_q = _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, acc)
-        centred = log_p - log_mixture(log_p, log_q, b) - kl_student[rows].to(acc)[:, None]
+        centred = ratios(log_p, log_q, b)[0] - kl_student[rows].to(acc)[:, None]
         grad[rows] = (coef[rows].to(acc)[:, None] * _times(log_p.exp(), centred)).to(grad.dtype)
     return grad.view(logits.shape)
 

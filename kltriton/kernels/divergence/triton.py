@@ -3,6 +3,9 @@
 The JSD pass: one program per row sums the row's mixture terms in vocab blocks (a per-lane accumulator reduced
 once at the end, so a row's order depends on ``V`` only) from the whole rows' log-sum-exps. The gradient: a
 (row, vocab block) grid as the ``stream`` backward. Both read the student and the teacher row once.
+
+Where the two sides agree (``log p == log q``) ``m`` equals them and both terms are exactly 0 (``_ratios``; not
+``log p - log m``, which rounds), so identical distributions have a JSD of exactly 0 (as ``csrc/row_mixture.h``).
 """
 import torch
 import triton
@@ -38,6 +41,14 @@ def _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature):
     log_p = x * inv_temperature - lse
     log_q = y * inv_temperature - ref_lse
     return log_p, tl.exp(log_p), log_q, tl.exp(log_q)
+
+
+@triton.jit
+def _ratios(log_p, p, log_q, q, beta, one_minus_beta):
+    """``(log(p / m), log(q / m))``: exactly 0 and 0 where ``log p == log q``; ``-inf`` where both are 0 (no term)."""
+    log_m = tl.log(beta * q + one_minus_beta * p)
+    agree = log_p == log_q
+    return tl.where(agree, 0.0, log_p - log_m), tl.where(agree, 0.0, log_q - log_m)
 
 
 @triton.jit
@@ -78,11 +89,11 @@ def _jsd_forward_kernel(
         for start in range(0, vocab, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             log_p, p, log_q, q = _log_probs(x_row, y_row, offs, offs < vocab, lse, ref_lse, inv_temperature)
-            log_m = tl.log(beta * q + one_minus_beta * p)  # -inf where both are 0: both terms 0 there
-            kl_p += tl.where(p > 0, p * (log_p - log_m), 0.0)
-            kl_q += tl.where(q > 0, q * (log_q - log_m), 0.0)
+            p_over_m, q_over_m = _ratios(log_p, p, log_q, q, beta, one_minus_beta)
+            kl_p += tl.where(p > 0, p * p_over_m, 0.0)
+            kl_q += tl.where(q > 0, q * q_over_m, 0.0)
         kl_student = tl.sum(kl_p, axis=0)
-        tl.store(jsd_ptr + row, beta * tl.sum(kl_q, axis=0) + one_minus_beta * kl_student)
+        tl.store(jsd_ptr + row, tr.nonnegative(beta * tl.sum(kl_q, axis=0) + one_minus_beta * kl_student))
         tl.store(kl_student_ptr + row, kl_student)
     else:
         skipped = tl.where(target == tr.SKIP, 0.0, float("nan"))
@@ -116,8 +127,8 @@ def _jsd_backward_kernel(
                                        ref_inner_stride)
         beta64 = tl.load(beta_ptr)
         log_p, p, log_q, q = _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature)
-        log_m = tl.log(beta64.to(tl.float32) * q + (1.0 - beta64).to(tl.float32) * p)
-        centred = log_p - log_m - tl.load(kl_student_ptr + row)
+        p_over_m, _ = _ratios(log_p, p, log_q, q, beta64.to(tl.float32), (1.0 - beta64).to(tl.float32))
+        centred = p_over_m - tl.load(kl_student_ptr + row)
         grad = tl.load(coef_ptr + row) * tl.where(p > 0, p * centred, 0.0)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:

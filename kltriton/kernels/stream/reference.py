@@ -42,6 +42,11 @@ def _log_softmax_rows(rows: torch.Tensor, temperature: torch.Tensor):
     return torch.log_softmax(shifted, dim=-1), (m / temperature + torch.logsumexp(shifted, dim=-1, keepdim=True)).squeeze(1)
 
 
+def nonnegative(value: torch.Tensor) -> torch.Tensor:
+    """A divergence's value, its rounding below 0 (nearly identical distributions) read as 0 (-0 as +0), NaN kept."""
+    return torch.where(value <= 0, torch.zeros((), dtype=value.dtype, device=value.device), value)
+
+
 def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``p * values`` with ``0 * (-inf)`` read as 0 (entries where the policy has no mass); a NaN
     ``p`` stays NaN."""
@@ -80,12 +85,18 @@ def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
             logq_all, row_ref_lse = _log_softmax_rows(_take_rows(ref3d, rows, acc), temp)
             out.ref_logp[rows] = logq_all.gather(1, label).squeeze(1).clamp(max=0)
             out.ref_lse[rows] = row_ref_lse
+            if with_full_kl or with_forward_kl:
+                # The KL terms in float64: a finfo.min logit under the other side's mass has a log-prob beyond
+                # fp32 (x / T) but a finite term, which the row's KL may hold (about 4.8e36).
+                t64 = _row_temperature(temperature, rows, torch.float64)
+                logp64 = _log_softmax_rows(_take_rows(rows3d, rows, torch.float64), t64)[0]
+                logq64 = _log_softmax_rows(_take_rows(ref3d, rows, torch.float64), t64)[0]
             if with_full_kl:
-                kl = _p_times(p, logp_all - logq_all).sum(-1)
-                out.full_kl[rows] = kl.masked_fill(dead, float("nan"))
+                kl = nonnegative(_p_times(logp64.exp(), logp64 - logq64).sum(-1))
+                out.full_kl[rows] = kl.to(acc).masked_fill(dead, float("nan"))
             if with_forward_kl:
-                kl = _p_times(logq_all.exp(), logq_all - logp_all).sum(-1)
-                out.forward_kl[rows] = kl.masked_fill(dead, float("nan"))
+                kl = nonnegative(_p_times(logq64.exp(), logq64 - logp64).sum(-1))
+                out.forward_kl[rows] = kl.to(acc).masked_fill(dead, float("nan"))
     bad = target == OUT_OF_RANGE
     for name in ("logp", "entropy", "ref_logp", "full_kl", "forward_kl"):
         value = getattr(out, name)

@@ -29,6 +29,31 @@ The floor of a row (returned by ``forward``, ``[N]`` float32):
 
 ``backward(logits, target, temperature, floor, lse, basis) -> grad``
     The ``stream`` backward (``basis.p_logq`` is None) of those restricted rows: zero below the floor.
+
+Replay (``Truncation(support=ids)``, ``replay.py``): the kept set is given as ``ids [N, K]`` int64. The row's
+values and gradients must not depend on ``K`` (the padding), the order or repetitions of its ids, or the other
+rows: its reductions are a maximum and fixed-point sums (``constants.FIXED_POINT_BITS``), associative, and the rest
+is per entry, each entry by the same code wherever it sits. The Triton backend runs the reference's code (``O(N K)``
+work on gathered values, a few launches).
+
+``replay_support(ids) -> ids``
+    ``[N, K]`` engine ids (``-1`` padding) in canonical form: each kept id once, increasing, then ``-1``.
+``replay_columns(logits, ids) -> values``
+    ``[N, K]`` logits at ``ids`` (``-1``: 0) in the accumulation dtype.
+``replay_forward(values, ids, target, temperature, wanted) -> (logp, lse, entropy, row_max, log_mass, label_column)``
+    ``values [N, K]`` (accumulation dtype) at the canonical ``ids`` (global ids). With ``m`` the row's largest kept
+    value and ``d = (x - m) / T`` in float64: ``mass = sum trunc(exp(d) 2^bits)`` (int64), ``log_mass =
+    log(mass 2^-bits)`` (float64), ``logp = d_label - log_mass`` (``-inf`` where the label is not kept), ``lse =
+    m / T + log_mass``, ``entropy = log_mass - sum trunc(exp(d) d 2^bits) / mass`` (``wanted`` has ``ENTROPY``;
+    else empty); ``row_max`` (``m``, 0 on rows that are not live) and ``label_column`` (the label's column, ``-1``)
+    for the backward. A scored row that keeps nothing: ``logp = lse = -inf``, entropy 0; every kept logit ``-inf``:
+    NaN statistics, ``lse = -inf``; a NaN or ``+inf`` kept: NaN; ``SKIP`` 0, ``OUT_OF_RANGE`` NaN (``lse`` 0).
+``replay_backward(values, ids, target, temperature, row_max, log_mass, basis) -> grad [N, K]``
+    The ``stream`` backward's element math on the kept entries (``p = exp(d - log_mass)``), 0 at padding and on
+    rows that are not live; accumulation dtype.
+``replay_scatter(columns, ids, vocab, dtype) -> grad [N, vocab]``
+    Zero but ``columns`` at ``ids >= 0`` (distinct per row), rounded to ``dtype`` once (C++: into the reused
+    gradient buffer of ``csrc/gradient_buffer.cpp``).
 """
 from kltriton.kernels.statistics import Basis, StreamStats
 

@@ -25,3 +25,29 @@ def backward(logits, target, temperature, floor, lse, basis):
     grad = torch.ops.kltriton_cpp.truncated_backward(as_rows3d(logits.detach()), target, temperature, floor, lse,
                                                      basis.label, basis.p, basis.p_logp)
     return grad.view(logits.shape)
+
+
+def replay_support(ids):
+    cpp_library.load()
+    return torch.ops.kltriton_cpp.replay_support(ids)
+
+
+def replay_columns(logits, ids):
+    cpp_library.load()
+    return torch.ops.kltriton_cpp.replay_columns(as_rows3d(logits), ids)
+
+
+def replay_forward(values, ids, target, temperature, wanted):
+    cpp_library.load()
+    return tuple(torch.ops.kltriton_cpp.replay_forward(values, ids, target, temperature, int(wanted)))
+
+
+def replay_backward(values, ids, target, temperature, row_max, log_mass, basis):
+    cpp_library.load()
+    return torch.ops.kltriton_cpp.replay_backward(values, ids, target, temperature, row_max, log_mass, basis.label,
+                                                  basis.p, basis.p_logp)
+
+
+def replay_scatter(columns, ids, vocab, dtype):
+    cpp_library.load()
+    return torch.ops.kltriton_cpp.replay_scatter(columns, ids, vocab, dtype)

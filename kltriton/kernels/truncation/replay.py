@@ -1,38 +1,29 @@
-"""Replay mode of the ``truncation`` family, every backend: the kept set is the engine's ``ids [N, K]`` (``-1``
-padding), so a row's statistics need only those ``K`` logits: a ``K``-column gather (from ``LinearLogits``, only
-those ``K`` columns of the LM head are projected, a tile of rows at a time), then the restricted log-softmax over
-``K`` values in PyTorch. Autograd gives the gradient, on the kept columns only."""
-import math
-from typing import NamedTuple
+"""Replay mode of the ``truncation`` family: the kept set is the engine's ``ids [N, K]`` (``-1`` padding), so a row's
+statistics need only those ``K`` logits.
 
+1. ``ops.truncation.replay_support``: the ids in a canonical form, each kept id once in increasing order, then the padding (a repeated
+   id counts once);
+2. ``ops.truncation.replay_columns`` (logits) or ``project`` (``LinearLogits``: only those ``K`` columns of the LM head are projected, a
+   tile of rows at a time): the ``[N, K]`` logits at those ids (0 at padding). The logits gradient of ``columns`` is
+   written by the backend's ``replay_scatter`` (the C++ backend: into the reused gradient buffer of its other
+   backwards), zero outside the kept ids;
+3. ``ops.truncation.replay_statistics``: ``logp``, ``lse`` and ``entropy`` of the row restricted to its kept ids, by the backend's
+   ``replay_forward`` / ``replay_backward`` (contract: ``kltriton.kernels.truncation``).
+
+Every bit of a row's values and gradients is independent of ``K`` (how wide the support is padded), of the order
+and repetitions of its ids and of the other rows: the row's reductions are a maximum and fixed-point integer sums
+(``constants.FIXED_POINT_BITS``), which are associative, and everything else is per entry.
+"""
 import torch
 
-from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype, statistics
 from kltriton.kernels.linear import scaled_and_capped
-from kltriton.kernels.rows import as_rows3d
-from kltriton.kernels.statistics import StreamStats
 
 
-class Support(NamedTuple):
-    """The kept ids of each row, deduplicated: ``ids [N, K]`` (sorted; ``0`` where not ``valid``), ``valid [N, K]``."""
-    ids: torch.Tensor
-    valid: torch.Tensor
-
-
-def support(ids: torch.Tensor) -> Support:
-    """``Support`` of engine ids ``[N, K]`` (``-1`` padding; a repeated id counts once)."""
-    ids = ids.sort(-1).values
-    valid = ids >= 0
-    valid[:, 1:] &= ids[:, 1:] != ids[:, :-1]
-    return Support(torch.where(valid, ids, torch.zeros_like(ids)), valid)
-
-
-def gather(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``logits [..., V]`` at ``ids [N, K]`` (in-range ids) as ``[N, K]`` in the accumulation dtype,
-    differentiable; reads the logits in place (any strides on the leading dims)."""
-    rows3d = as_rows3d(logits)
-    a, b, _ = rows3d.shape
-    return rows3d.gather(2, ids.view(a, b, -1)).reshape(ids.shape).to(accumulation_dtype(logits.dtype))
+def shard_ids(ids: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """Global ids ``[N, K]`` as the ids of a vocab shard ``[start, start + width)``, ``-1`` where it does not hold
+    them."""
+    local = ids - start
+    return torch.where((ids >= 0) & (local >= 0) & (local < width), local, -1)
 
 
 class _Projection(torch.autograd.Function):
@@ -63,7 +54,7 @@ class _Projection(torch.autograd.Function):
             _, d_linear, w_rows = _project_tile(hidden[start:stop], weight, bias, tile_ids, scale, softcap)
             d = grad[start:stop].float() * d_linear                                  # [t, K]
             if want_h:
-                d_h[start:stop] = torch.bmm(d[:, None, :], w_rows).squeeze(1)
+                d_h[start:stop] = (d[:, :, None] * w_rows).sum(1)
             if want_w:
                 d_w.index_add_(0, tile_ids.reshape(-1), (d[:, :, None] * h[:, None, :]).reshape(-1, h.shape[-1]))
             if want_b:
@@ -73,9 +64,10 @@ class _Projection(torch.autograd.Function):
 
 
 def _project_tile(hidden, weight, bias, ids, scale, softcap):
-    """``(logits [t, K], d logits / d linear [t, K], weight rows [t, K, H] fp32)`` of one row tile."""
+    """``(logits [t, K], d logits / d linear [t, K], weight rows [t, K, H] fp32)`` of one row tile. Each logit is
+    its own dot product over ``H`` (a product and a sum over the last dim: the same order whatever ``K``)."""
     w_rows = weight[ids].float()                                                      # [t, K, H]
-    linear = torch.bmm(w_rows, hidden.float()[:, :, None]).squeeze(2)
+    linear = (w_rows * hidden.float()[:, None, :]).sum(-1)
     if bias is not None:
         linear = linear + bias[ids].float()
     y = scaled_and_capped(linear, scale, softcap)
@@ -86,39 +78,11 @@ def _project_tile(hidden, weight, bias, ids, scale, softcap):
 
 
 def project(side, ids: torch.Tensor, tile_elements: int) -> torch.Tensor:
-    """``[N, K]`` fp32 logits of a ``LinearLogits`` side (``kltriton.kernels.linear.Side``) at ``ids [N, K]``,
-    differentiable w.r.t. its hidden states, weight and bias; ``tile_elements`` bounds ``tile_rows * K * H``."""
+    """``[N, K]`` fp32 logits of a ``LinearLogits`` side (``kltriton.kernels.linear.Side``) at ``ids [N, K]``
+    (``-1``: 0), differentiable w.r.t. its hidden states, weight and bias; ``tile_elements`` bounds
+    ``tile_rows * K * H``."""
     hidden, weight, bias, scale, softcap = side
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     tile_rows = max(1, tile_elements // max(ids.shape[1] * hidden.shape[-1], 1))
-    return _Projection.apply(hidden2d, weight, bias, ids, scale, softcap, tile_rows)
-
-
-def statistics_of(values: torch.Tensor, valid: torch.Tensor, label_here: torch.Tensor, label_value: torch.Tensor,
-                  target: torch.Tensor, temperature: torch.Tensor, wanted: int) -> StreamStats:
-    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when asked) of the distribution restricted to the kept
-    logits ``values [N, K]`` (``valid`` marks them), at temperature ``temperature``; ``label_here [N]``: the label
-    is kept (its logit ``label_value [N]``), else its log-prob is ``-inf``. 0 at ``SKIP`` rows, NaN at
-    ``OUT_OF_RANGE``; differentiable w.r.t. ``values`` and ``label_value``."""
-    t = temperature if temperature.dim() == 0 else temperature[:, None]
-    z = torch.where(valid, values / t.to(values.dtype), torch.full_like(values, -math.inf))
-    lse = torch.logsumexp(z, -1)
-    finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    zl = label_value / (t.squeeze(-1) if t.dim() else t).to(values.dtype)
-    logp = torch.where(label_here, (zl - finite_lse).clamp(max=0), torch.full_like(lse, -math.inf))
-    skip, bad = target == SKIP, target == OUT_OF_RANGE
-    nan, zero = torch.full_like(lse, math.nan), torch.zeros_like(lse)
-    fix = lambda v: torch.where(skip, zero, torch.where(bad, nan, v))  # noqa: E731
-    logp = torch.where(torch.isfinite(lse), logp, torch.full_like(lse, math.nan))
-    out = {"logp": fix(logp), "lse": torch.where(skip | bad, zero, lse)}
-    if wanted & statistics.constants.ENTROPY:
-        p = torch.exp(z - finite_lse[:, None])
-        h = finite_lse - torch.where(valid & (p > 0), p * z, torch.zeros_like(z)).sum(-1)
-        out["entropy"] = fix(torch.where(torch.isfinite(lse), h, nan))
-    return StreamStats(*(out.get(name, lse.new_empty(0)) for name in statistics.NAMES))
-
-
-def label_in(sup: Support, target: torch.Tensor):
-    """``(here [N], position [N])``: whether each row's label is among its kept ids, and its column there."""
-    eq = sup.valid & (sup.ids == target[:, None])
-    return eq.any(-1), eq.to(torch.int8).argmax(-1)
+    values = _Projection.apply(hidden2d, weight, bias, ids.clamp(min=0), scale, softcap, tile_rows)
+    return torch.where(ids >= 0, values, torch.zeros((), dtype=values.dtype, device=values.device))

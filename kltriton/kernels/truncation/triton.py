@@ -25,6 +25,10 @@ import triton.language as tl
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as tr
 from kltriton.kernels.rows import num_rows
+# Replay (``kltriton.kernels.truncation.replay``) is O(N K) work on the K gathered logits of each row: the reference's
+# PyTorch code (a few launches on CUDA), and for the logits gradient a memset and a K-column scatter.
+from kltriton.kernels.truncation.reference import (replay_backward, replay_columns, replay_forward,  # noqa: F401
+                                                   replay_scatter, replay_support)
 
 THRESHOLDS = 8         # census thresholds per pass (a power of two: a tensor dimension)
 CENSUS_PER_THREAD = 4  # vocab entries per thread per selection-pass iteration
