@@ -467,6 +467,39 @@ def run_context_and_vocab(world, rank, group, dtype, backend):
     assert_close(local["logits"].grad, expected_grad.to(dtype), atol=(atol + grad_rtol / 8) * size, rtol=grad_rtol,
                  what="2x2 gradient")
 
+    # A tensor-parallel LM head (weight Shard(0) over tp) on hidden states split over cp (Shard(1), Replicate).
+    gen = _gen(12)
+    hidden_full, weight_full = torch.randn(B, T, H, generator=gen), torch.randn(V, H, generator=gen) / 2
+    hidden64, weight64 = hidden_full.double().requires_grad_(), weight_full.double().requires_grad_()
+    hidden = dt.distribute_tensor(hidden_full.to(dtype), mesh, [dt.Shard(1), dt.Replicate()]).requires_grad_()
+    weight = dt.distribute_tensor(weight_full.to(dtype), mesh, [dt.Replicate(), dt.Shard(0)]).requires_grad_()
+    head = {"logits": kltriton.LinearLogits(hidden, weight), "ids": as_dtensor["ids"], "mask": as_dtensor["mask"],
+            "adv_token": as_dtensor["adv_token"], "old": as_dtensor["old"], "ref": None}
+    head_full = dict(full, logits=kltriton.LinearLogits(hidden64, weight64), ref=None)
+
+    def head_calls(t, kw):
+        out = kltriton.policy_loss(t["logits"], t["ids"], t["adv_token"], old_logprobs=t["old"], loss_type="gspo",
+                                   mask=t["mask"], shift_labels=True, **kw)
+        return out.loss, out.ratio
+
+    expected, got = head_calls(head_full, {"backend": "reference"}), head_calls(head, {"backend": backend})
+    for outputs, split in ((expected, False), (got, True)):
+        upstream = torch.randn(B, T, generator=_gen(5), dtype=torch.float64)
+        upstream = seq.cut(upstream) if split else upstream
+        (outputs[1] * upstream.to(outputs[1].dtype)).sum().add(outputs[0] * 0.9).backward()
+    assert_close(got[0].detach(), expected[0].detach(), atol=atol * 10, rtol=rtol, what="2x2 head loss")
+    assert_close(got[1], seq.cut(expected[1]), atol=atol * 10, rtol=rtol, what="2x2 head ratio")
+    assert tuple(weight.grad.placements) == (dt.Replicate(), dt.Shard(0))
+    # the weight gradient: this rank's vocabulary rows, summed over the sequence group (what a trainer reduces)
+    weight_grad = weight.grad.to_local().clone()
+    dist.all_reduce(weight_grad, group=cp)
+    hidden_grad = hidden.grad.to_local()
+    for got_grad, expected_grad, what in ((weight_grad, weight64.grad[cols], "weight"),
+                                          (hidden_grad, seq.cut(hidden64.grad), "hidden")):
+        size = expected_grad.abs().max().item()
+        assert_close(got_grad, expected_grad.to(got_grad.dtype), atol=(atol + grad_rtol / 8) * size * 10,
+                     rtol=grad_rtol, what=f"2x2 head d_{what}")
+
 
 # --- the spawned worlds -------------------------------------------------------------------------------------------
 
