@@ -526,7 +526,8 @@ def policy_loss(
                          "sequence_group does not take: gather the sequences on every rank first")
     if entropy_quantile_group is not None:
         check_group(entropy_quantile_group, "entropy_quantile_group")
-    loss = loss._replace(quantile_group=entropy_quantile_group or call.sequence_group)
+    loss = loss._replace(quantile_group=call.sequence_group if entropy_quantile_group is None
+                         else entropy_quantile_group)
     _check_choice("entropy_aggregation", entropy_aggregation, AGGREGATIONS)
     _check_choice("pg_aggregation", pg_aggregation, AGGREGATIONS)
     aggregations = _Aggregations(loss.settings.aggregation, pg_aggregation, entropy_aggregation,
