@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, leave_world, value_atol
 
 B, T, V, N, H = 3, 11, 67, 17, 16
 SPLITS = {2: (7, 4), 3: (3, 5, 3)}        # T = 11 over the ranks, uneven
@@ -531,7 +531,7 @@ def _worker(rank, world, init_file, report_dir, backend):
     finally:
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        dist.destroy_process_group()
+        leave_world()
 
 
 _REPORTS = {}
