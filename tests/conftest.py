@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from kltriton import dispatch  # noqa: E402
 
-BACKENDS = ("reference", "triton", "cpp")
+BACKENDS = tuple(dispatch.BACKENDS)  # every backend dispatch describes: a new one is tested without an edit here
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Tests run on KLTRITON_TEST_DEVICE (default cpu; "cuda" on a GPU box with TRITON_INTERPRET=0).
