@@ -660,7 +660,26 @@ class KLRewardTransform(Transform):
 # KL controllers with torchrl's signatures
 # ---------------------------------------------------------------------------------------------
 
-class AdaptiveKLController:
+class _ModelCoefficient:
+    """A controller of ``kltriton.controllers`` (``self.controller``) whose coefficient, ``.coef`` / ``.value``, is
+    also written to ``model.kl_coef`` when torchrl's ``model=`` is given."""
+
+    def __init__(self, controller, model):
+        self.controller, self.model = controller, model
+        self._write()
+
+    @property
+    def coef(self) -> float:
+        return self.controller.value
+
+    value = coef
+
+    def _write(self):
+        if self.model is not None:
+            self.model.kl_coef = self.coef
+
+
+class AdaptiveKLController(_ModelCoefficient):
     """torchrl's ``AdaptiveKLController(init_kl_coef=, target=, horizon=, model=None)`` on
     ``kltriton.controllers.AdaptiveKLController``.
 
@@ -670,39 +689,20 @@ class AdaptiveKLController:
     """
 
     def __init__(self, *, init_kl_coef: float, target: float, horizon: int, model=None):
-        self.controller = controllers.AdaptiveKLController(init_kl_coef, target, horizon)
-        self.model = model
+        super().__init__(controllers.AdaptiveKLController(init_kl_coef, target, horizon), model)
         self.target, self.horizon = self.controller.target, self.controller.horizon
-        if model is not None:
-            model.kl_coef = self.coef
-
-    @property
-    def coef(self) -> float:
-        return self.controller.value
-
-    value = coef
 
     def update(self, kl_values) -> float:
-        coef = self.controller.update_from_reward_kl(kl_values)
-        if self.model is not None:
-            self.model.kl_coef = coef
-        return coef
+        self.controller.update_from_reward_kl(kl_values)
+        self._write()
+        return self.coef
 
 
-class ConstantKLController:
+class ConstantKLController(_ModelCoefficient):
     """torchrl's ``ConstantKLController(kl_coef=, model=None)``: ``update`` changes nothing."""
 
     def __init__(self, *, kl_coef: float = None, model=None):
-        self.controller = controllers.ConstantKLController(kl_coef)
-        self.model = model
-        if model is not None:
-            model.kl_coef = self.coef
-
-    @property
-    def coef(self) -> float:
-        return self.controller.value
-
-    value = coef
+        super().__init__(controllers.ConstantKLController(kl_coef), model)
 
     def update(self, kl_values=None) -> float:
         return self.coef

@@ -418,6 +418,18 @@ def load_basis(basis_ptr, n, row, TERMS: tl.constexpr):
 
 
 @triton.jit
+def gradient_row_block(row, block, target_ptr, lse_ptr, grad_ptr, vocab, BLOCK_V: tl.constexpr):
+    """Vocab block ``block`` of ``row``'s gradient (``[N, V]`` contiguous): ``(offs, in_vocab, grad_row, target, lse,
+    live)``. ``live``: the row is scored and its ``lse`` finite; every other row (all ``-inf`` logits: ``-inf``; a
+    NaN or ``+inf`` logit: NaN; ``|logits| / T`` beyond fp32: ``+-inf``) gets a zero gradient, on every backend."""
+    offs = block * BLOCK_V + tl.arange(0, BLOCK_V)
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    live = (target >= 0) & (lse > NEG_INF) & (lse < float("inf"))
+    return offs, offs < vocab, grad_ptr + row.to(tl.int64) * vocab, target, lse, live
+
+
+@triton.jit
 def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: tl.constexpr):
     """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
     ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q`` with ``basis = (c_label, c_p,

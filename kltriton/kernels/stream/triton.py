@@ -151,14 +151,8 @@ def _stream_backward_kernel(
 ):
     """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
     row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_vocab = offs < vocab
-    grad_row = grad_ptr + row.to(tl.int64) * vocab
-    target = tl.load(target_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    # Skipped rows and rows without a finite lse (all -inf logits: -inf; a NaN or +inf logit:
-    # NaN; |logits| / T beyond fp32: +-inf) get a zero gradient, as on every backend.
-    live = (target >= 0) & (lse > tr.NEG_INF) & (lse < float("inf"))
+    offs, in_vocab, grad_row, target, lse, live = tr.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
+                                                                        grad_ptr, vocab, BLOCK_V)
     if live:
         inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
         x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
