@@ -14,8 +14,6 @@ included.
 """
 import argparse
 import json
-import subprocess
-import sys
 
 import torch
 
@@ -110,12 +108,8 @@ def call(name, inputs):
 def available(name):
     if not name.startswith(("eager_trl", "trl_chunked")):
         return None
-    try:
-        from trl.experimental.gkd.gkd_trainer import GKDTrainer  # noqa: F401
-        from trl.trainer.distillation_trainer import _chunked_divergence_loss  # noqa: F401
-    except ImportError as err:
-        return f"trl not installed: {err}"
-    return None
+    return harness.missing_note("trl", "trl.experimental.gkd.gkd_trainer:GKDTrainer",
+                                "trl.trainer.distillation_trainer:_chunked_divergence_loss")
 
 
 def peak_child(args):
@@ -125,15 +119,6 @@ def peak_child(args):
     kltriton.set_validation(False)
     name, tokens, hidden, vocab, dtype, topk = args
     return harness._peak_rss_above(call(name, make(tokens, hidden, vocab, harness.DTYPES[dtype], topk)))
-
-
-def cpu_peak(name, tokens, hidden, vocab, dtype, topk):
-    env = dict(harness.os.environ, **harness.CPU_MEM_ENV, PYTHONPATH=str(harness.REPO), TRL_EXPERIMENTAL_SILENCE="1")
-    code = ("import json, sys; from benchmarks.bench_distillation import peak_child; "
-            "print(peak_child(json.loads(sys.argv[1])))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps([name, tokens, hidden, vocab, dtype, topk])],
-                         env=env, capture_output=True, text=True)
-    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
 
 
 def _median(times):
@@ -157,7 +142,8 @@ def run(tokens, hidden, vocab, dtype, topk, rounds=3, memory=True, only=None, lo
         for name, times in samples.items():
             times += harness.time_ms(call(name, inputs), "cpu", cpu_target_s=0.0, warmup=r == 0, min_repeats=1)
     median = {name: _median(times) for name, times in samples.items()}
-    peaks = {name: cpu_peak(name, tokens, hidden, vocab, dtype, topk) if memory else None for name in samples}
+    peaks = {name: harness.peak_in_child("bench_distillation", [name, tokens, hidden, vocab, dtype, topk],
+                                         TRL_EXPERIMENTAL_SILENCE="1") if memory else None for name in samples}
     for name, times in samples.items():
         divergence = next((d for d in DIVERGENCES if name.endswith(d)), None)
         eager = f"eager_trl_{divergence}" if divergence else None

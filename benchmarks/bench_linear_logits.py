@@ -12,8 +12,6 @@ CPU peak memory: one fresh process per row (``harness.CPU_MEM_METHOD``), in MiB 
 """
 import argparse
 import json
-import subprocess
-import sys
 
 import torch
 
@@ -82,13 +80,7 @@ def call(name, mode, h, w, labels, grad):
 
 
 def available(name):
-    if name != "trl":
-        return None
-    try:
-        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
-    except ImportError as err:
-        return f"trl not installed: {err}"
-    return None
+    return harness.missing_note("trl", "trl.kernels:ChunkedLogProbFunction") if name == "trl" else None
 
 
 def peak_child(args):
@@ -96,15 +88,6 @@ def peak_child(args):
     name, mode, tokens, hidden, vocab, dtype = args
     h, w, labels, grad = make(tokens, hidden, vocab, harness.DTYPES[dtype])
     return harness._peak_rss_above(call(name, mode, h, w, labels, grad))
-
-
-def cpu_peak(name, mode, tokens, hidden, vocab, dtype):
-    env = dict(harness.os.environ, **harness.CPU_MEM_ENV, PYTHONPATH=str(harness.REPO))
-    code = ("import json, sys; from benchmarks.bench_linear_logits import peak_child; "
-            "print(peak_child(json.loads(sys.argv[1])))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps([name, mode, tokens, hidden, vocab, dtype])],
-                         env=env, capture_output=True, text=True)
-    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
 
 
 def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
@@ -130,7 +113,7 @@ def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
         times.sort()
         median = times[len(times) // 2]
         floor = sorted(samples[("gemm_floor", mode)])[len(samples[("gemm_floor", mode)]) // 2]
-        peak = cpu_peak(name, mode, tokens, hidden, vocab, dtype)
+        peak = harness.peak_in_child("bench_linear_logits", [name, mode, tokens, hidden, vocab, dtype])
         row = dict(env, op="linear_logits", backend=name, mode=mode, tokens=tokens, hidden=hidden, vocab=vocab,
                    dtype=dtype, time_ms_median=median, time_ms_min=times[0], time_ms_max=times[-1],
                    repeats=len(times), ratio_to_gemm_floor=median / floor, peak_mem_bytes=peak,

@@ -217,6 +217,28 @@ def cpu_peaks(op_module: str, case: Case, names: list) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def peak_in_child(module: str, args: list, **extra_env):
+    """Peak bytes of ``benchmarks.<module>.peak_child(args)`` (its call's peak above its inputs) run in a fresh
+    interpreter with ``CPU_MEM_ENV``; None if the child failed."""
+    env = dict(os.environ, **CPU_MEM_ENV, **extra_env,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    code = f"import json, sys; from benchmarks.{module} import peak_child; print(peak_child(json.loads(sys.argv[1])))"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True)
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+
+
+def missing_note(library: str, *names: str):
+    """None when every ``"module:attribute"`` of ``names`` imports, else the row note ``"<library> not installed:
+    ..."`` (a baseline that cannot run here)."""
+    for name in names:
+        module, attribute = name.split(":")
+        try:
+            getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as err:
+            return f"{library} not installed: {err}"
+    return None
+
+
 def cuda_peak(call) -> int:
     gc.collect()
     torch.cuda.synchronize()
