@@ -10,6 +10,7 @@
 // is the 512/256-bit specialisation, or the portable one for DEFAULT.
 #pragma once
 
+#include <iterator>
 #include <tuple>
 #include <utility>
 
@@ -216,6 +217,13 @@ constexpr double kZUnit = 0.693147180559945309;  // ln 2
 constexpr double kZUnit = 1.0;
 #endif
 
+// Polynomial coefficients, highest degree first (Horner): e^r on [-ln2/2, ln2/2] (Cephes expf, degree 6 of 7) and
+// 2^r on [-1/2, 1/2] (a relative-minimax fit of degree 5). The vector exponentials below evaluate them.
+constexpr float kExpPoly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                              5.0000001201e-1f, 1.f, 1.f};
+constexpr float kExp2Poly[] = {1.326472731307149e-3f, 9.671512991189957e-3f, 5.550733581185341e-2f,
+                               2.4022242426872253e-1f, 6.931470036506653e-1f, 1.f};
+
 #if defined(CPU_CAPABILITY_AVX512)
 // exp(z) for z <= ~0 in 11 AVX512 ops, ~2 ulp: n = round(z / ln2), r = z - n ln2 in
 // [-ln2/2, ln2/2], e^r by a degree-6 polynomial (Cephes expf coefficients; the degree-7 term is
@@ -226,13 +234,8 @@ inline Vec vexp(const Vec& zv) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), z);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (size_t i = 1; i < std::size(kExpPoly); ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -244,12 +247,8 @@ inline Vec vexp2(const Vec& wv) {
   const __m512 w = _mm512_max_ps(_mm512_set1_ps(-150.f), wv);
   const __m512 n = _mm512_roundscale_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(w, n);
-  __m512 p = _mm512_set1_ps(1.326472731307149e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.671512991189957e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550733581185341e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022242426872253e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931470036506653e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (size_t i = 1; i < std::size(kExp2Poly); ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 

@@ -138,12 +138,8 @@ inline Vec mass_exp2(const Vec& wv) {
   const __m256 w = _mm256_max_ps(wv, _mm256_set1_ps(-127.f));  // 2^-127 and below: exponent field 0, value 0
   const __m256 n = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_sub_ps(w, n);
-  __m256 p = _mm256_set1_ps(1.326472731307149e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.671512991189957e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550733581185341e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022242426872253e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931470036506653e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (size_t i = 1; i < std::size(kExp2Poly); ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 #else
