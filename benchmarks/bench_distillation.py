@@ -169,13 +169,8 @@ def run(tokens, hidden, vocab, dtype, topk, rounds=3, memory=True, only=None, lo
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", choices=tuple(harness.DTYPES), default="fp32")
+    p = harness.lm_head_arguments(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--topk", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--only", default=None, help="comma-separated method names (default: all)")
     p.add_argument("--out", default=None)

@@ -190,12 +190,7 @@ def run_policy_loss(tokens, hidden, vocab, dtype, rounds=3, log=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", choices=tuple(harness.DTYPES), default="fp32")
-    p.add_argument("--rounds", type=int, default=3)
+    p = harness.lm_head_arguments(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--out", default=None)
     p.add_argument("--policy-loss", action="store_true",
                    help="time policy_loss on LinearLogits (fwd + bwd w.r.t. hidden and weight) instead")

@@ -227,6 +227,16 @@ def peak_in_child(module: str, args: list, **extra_env):
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
 
 
+def lm_head_arguments(parser):
+    """The ``--tokens / --hidden / --vocab / --dtype / --rounds`` of the LM-head benchmarks (``LinearLogits``)."""
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
 def missing_note(library: str, *names: str):
     """None when every ``"module:attribute"`` of ``names`` imports, else the row note ``"<library> not installed:
     ..."`` (a baseline that cannot run here)."""

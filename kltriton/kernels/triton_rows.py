@@ -430,6 +430,15 @@ def gradient_row_block(row, block, target_ptr, lse_ptr, grad_ptr, vocab, BLOCK_V
 
 
 @triton.jit
+def live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer,
+                   logits_outer_stride, logits_inner_stride):
+    """``(1 / T, x)``: the row's inverse temperature and its logits at ``offs`` (fp32, ``-inf`` outside the vocab)."""
+    inv_temperature, _ = temperature_of(temperature_ptr, temperature_stride, row)
+    x_row = logits_ptr + row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+    return inv_temperature, tl.load(x_row + offs, mask=in_vocab, other=NEG_INF).to(tl.float32)
+
+
+@triton.jit
 def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: tl.constexpr):
     """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
     ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q`` with ``basis = (c_label, c_p,

@@ -154,9 +154,8 @@ def _stream_backward_kernel(
     offs, in_vocab, grad_row, target, lse, live = tr.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
-        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+        inv_temperature, x = tr.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
+                                               logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         basis = tr.load_basis(basis_ptr, n, row, TERMS)
         y = x
         ref_lse = 0.0

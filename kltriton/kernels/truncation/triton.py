@@ -263,9 +263,8 @@ def _truncated_backward_kernel(
     offs, in_vocab, grad_row, target, lse, live = tr.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
-        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+        inv_temperature, x = tr.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
+                                               logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         x = tr.below_floor_absent(x, tl.load(floor_ptr + row))
         c_p_logp = 0.0
         if tr.BASIS_P_LOGP & TERMS:
