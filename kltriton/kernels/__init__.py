@@ -16,6 +16,7 @@ Families:
 | ``stream`` | per-row softmax statistics streamed over ``[..., V]`` logits (log-prob, entropy, reference log-prob, exact KL) and their gradient |
 | ``linear`` | the ``stream`` statistics of logits given as ``hidden @ weight.T`` (``LinearLogits``), from GEMM tiles |
 | ``loss``   | a policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
+| ``invariant`` | the ``stream`` family's log-prob, log-sum-exp and entropy from row maxima and int64 fixed-point sums, independent of how the vocabulary is cut (``kltriton.set_invariant``) |
 | ``divergence`` | the generalized JSD's second pass over a student and a teacher row (after both log-sum-exps) and its gradient; a divergence loss with its gradient in the forward |
 
 Shared by the families: ``constants.py`` (the one table of values shared with the C++ and Triton code),

@@ -1,0 +1,60 @@
+"""The ``invariant`` family as custom ops (not differentiable; ``kltriton.invariant`` wires the gradient):
+``invariant_maxima``, ``invariant_sums`` and ``invariant_forward`` (both on rows of a whole vocabulary). Kernel:
+``kltriton.dispatch.implementation("invariant", backend)``, contract in ``kltriton.kernels.invariant``."""
+import torch
+
+from kltriton import dispatch
+from kltriton.kernels import accumulation_dtype
+from kltriton.kernels.invariant import sum_count
+from kltriton.ops._define import INT, OPTIONAL, STR, TENSOR, define_op
+
+
+def _impl(args):
+    return dispatch.implementation("invariant", args.backend)
+
+
+def _maxima_fake(args):
+    return args.logits.new_empty(args.target.shape, dtype=accumulation_dtype(args.logits.dtype))
+
+
+def _sums_fake(args):
+    return args.target.new_empty((sum_count(args.wanted), args.target.shape[0]), dtype=torch.int64)
+
+
+_maxima = define_op(
+    "invariant_maxima", inputs=(("logits", TENSOR), ("target", TENSOR), ("floor", OPTIONAL), ("backend", STR)),
+    outputs=("row_max",), launch=lambda args: _impl(args).maxima(args.logits.detach(), args.target, args.floor),
+    fake=_maxima_fake)
+
+_sums = define_op(
+    "invariant_sums",
+    inputs=(("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("row_max", TENSOR), ("floor", OPTIONAL),
+            ("wanted", INT), ("backend", STR)),
+    outputs=("sums",),
+    launch=lambda args: _impl(args).sums(args.logits.detach(), args.target, args.temperature, args.row_max,
+                                         args.floor, args.wanted),
+    fake=_sums_fake)
+
+_forward = define_op(
+    "invariant_forward",
+    inputs=(("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("floor", OPTIONAL), ("wanted", INT),
+            ("backend", STR)),
+    outputs=("row_max", "sums"),
+    launch=lambda args: tuple(_impl(args).forward(args.logits.detach(), args.target, args.temperature, args.floor,
+                                                  args.wanted)),
+    fake=lambda args: (_maxima_fake(args), _sums_fake(args)))
+
+
+def maxima(logits, target, floor, backend: str) -> torch.Tensor:
+    """``[N]`` largest read entry of each row (``+inf``: a NaN or ``+inf`` read; ``-inf``: none or not read)."""
+    return _maxima(logits, target, floor, backend)
+
+
+def sums(logits, target, temperature, row_max, floor, wanted: int, backend: str) -> torch.Tensor:
+    """``[k, N]`` int64 fixed-point sums of each row given its ``row_max``."""
+    return _sums(logits, target, temperature, row_max.contiguous(), floor, wanted, backend)
+
+
+def forward(logits, target, temperature, floor, wanted: int, backend: str):
+    """``(row_max, sums)`` of rows of a whole vocabulary."""
+    return _forward(logits, target, temperature, floor, wanted, backend)
