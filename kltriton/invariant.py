@@ -26,7 +26,7 @@ from kltriton import dispatch
 from kltriton._env import invariant_default
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels import statistics as table
-from kltriton.kernels.invariant import finalize, pack, unpack
+from kltriton.kernels.invariant import pack, unpack
 from kltriton.kernels.linear import Side, fixed
 from kltriton.kernels.rows import as_rows3d
 from kltriton.kernels.statistics import StreamStats
@@ -119,8 +119,8 @@ def _dense_forward(s: Setup, logits, target, temperature, floor):
     acc = accumulation_dtype(logits.dtype)
     if s.group is None:
         row_max, sums = invariant_ops.forward(logits, target, temperature, floor, s.wanted, s.backend)
-        stats = finalize(row_max, sums, label_logits(logits, target, floor), target >= 0, target, temperature,
-                         s.wanted, acc)
+        stats = invariant_ops.finalize(row_max, sums, label_logits(logits, target, floor), target >= 0, target,
+                                       temperature, s.wanted, acc)
         return stats, target, None
     all_reduce_max, all_reduce = _collectives()
     kernel_target, own = localize(target, s.start, s.size)
@@ -128,7 +128,7 @@ def _dense_forward(s: Setup, logits, target, temperature, floor):
     sums = invariant_ops.sums(logits, kernel_target, temperature, row_max, floor, s.wanted, s.backend)
     label = label_logits(logits, kernel_target, floor)
     sums, held, label = unpack(all_reduce(pack(sums, own, label), s.group))
-    stats = finalize(row_max, sums, label, held, target, temperature, s.wanted, acc)
+    stats = invariant_ops.finalize(row_max, sums, label, held, target, temperature, s.wanted, acc)
     # a label no shard holds: NaN statistics, no gradient
     backward_target = torch.where((target >= 0) & ~held, torch.full_like(target, OUT_OF_RANGE), kernel_target)
     return stats, backward_target, own
@@ -200,7 +200,7 @@ class _Linear(torch.autograd.Function):
         row_max, packed = fixed.forward(side, target >= 0, label, temperature, s.wanted, impl, tile_elements,
                                         reduce_max, reduce_sum)
         sums, held, value = unpack(packed)
-        stats = finalize(row_max, sums, value, held, target, temperature, s.wanted, acc)
+        stats = invariant_ops.finalize(row_max, sums, value, held, target, temperature, s.wanted, acc)
         ctx.s = s
         ctx.save_for_backward(hidden, weight, bias, scale, softcap, (target >= 0) & held, label, temperature,
                               stats.logp, stats.lse, stats.entropy)

@@ -1,12 +1,17 @@
 """The ``invariant`` family as custom ops (not differentiable; ``kltriton.invariant`` wires the gradient):
-``invariant_maxima``, ``invariant_sums`` and ``invariant_forward`` (both on rows of a whole vocabulary). Kernel:
-``kltriton.dispatch.implementation("invariant", backend)``, contract in ``kltriton.kernels.invariant``."""
+``invariant_maxima``, ``invariant_sums`` and ``invariant_forward`` (both on rows of a whole vocabulary), kernel
+``kltriton.dispatch.implementation("invariant", backend)``; ``invariant_finalize`` (the statistics from them,
+``kltriton.kernels.invariant.finalize``), an op of its own so that ``torch.compile`` runs its float64 arithmetic as
+eager does (a compiled graph may fuse and reorder it: other bits). Contract in ``kltriton.kernels.invariant``."""
 import torch
 
 from kltriton import dispatch
-from kltriton.kernels import accumulation_dtype
+from kltriton.kernels import accumulation_dtype, constants
+from kltriton.kernels import invariant as family
+from kltriton.kernels import statistics as table
 from kltriton.kernels.invariant import sum_count
-from kltriton.ops._define import INT, OPTIONAL, STR, TENSOR, define_op
+from kltriton.kernels.statistics import StreamStats
+from kltriton.ops._define import DTYPE, INT, OPTIONAL, STR, TENSOR, define_op
 
 
 def _impl(args):
@@ -58,3 +63,32 @@ def sums(logits, target, temperature, row_max, floor, wanted: int, backend: str)
 def forward(logits, target, temperature, floor, wanted: int, backend: str):
     """``(row_max, sums)`` of rows of a whole vocabulary."""
     return _forward(logits, target, temperature, floor, wanted, backend)
+
+
+def _finalize_launch(args):
+    stats = family.finalize(args.row_max, args.sums, args.label, args.held, args.target, args.temperature,
+                            args.wanted, args.dtype)
+    return stats.logp, stats.lse, stats.entropy
+
+
+def _finalize_fake(args):
+    n = args.target.shape[0]
+    new = lambda size: args.row_max.new_empty(size, dtype=args.dtype)  # noqa: E731
+    return new(n), new(n), new(n if args.wanted & constants.ENTROPY else 0)
+
+
+_finalize = define_op(
+    "invariant_finalize",
+    inputs=(("row_max", TENSOR), ("sums", TENSOR), ("label", TENSOR), ("held", TENSOR), ("target", TENSOR),
+            ("temperature", TENSOR), ("wanted", INT), ("dtype", DTYPE)),
+    outputs=("logp", "lse", "entropy"), launch=_finalize_launch, fake=_finalize_fake)
+
+
+def finalize(row_max, sums, label, held, target, temperature, wanted: int, dtype) -> StreamStats:
+    """``kernels.invariant.finalize`` as an op: ``StreamStats`` with ``logp``, ``lse`` and ``entropy`` (empty unless
+    ``wanted`` asks), the others empty."""
+    logp, lse, entropy = _finalize(row_max, sums.contiguous(), label.contiguous(), held, target, temperature, wanted,
+                                   dtype)
+    none = lse.new_empty(0)
+    found = {"logp": logp, "lse": lse, "entropy": entropy}
+    return StreamStats(*(found.get(name, none) for name in table.NAMES))
