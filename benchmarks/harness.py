@@ -83,16 +83,14 @@ GRIDS = {
     ), cpu_target_s=0.2),
     # GPU: vocabularies of Llama-2, Llama-3, Qwen-2 and Gemma-3; 1k..16k tokens; packed masks.
     "full": Grid(_full_grid()),
-    # GPU, a few minutes (``python -m benchmarks gpu``): the headline targets (bf16 8192 x 151936,
-    # small N = 256), each vocab at 8k tokens, fp32 once, half the positions masked once.
+    # GPU, a few minutes (``python -m benchmarks gpu``): the headline target (bf16 8192 x 151936), small N = 256
+    # (per-call overhead) and a small vocab. torch.compile and the float64 reference are left out: on the first H100
+    # run (2026-11-27) compiling them kept every op's first case past its step's time limit.
     "gpu": Grid((
         Case(8192, 151936, "bf16", 0.0),
         Case(256, 151936, "bf16", 0.0),
         Case(8192, 32000, "bf16", 0.0),
-        Case(8192, 262144, "bf16", 0.0),
-        Case(4096, 151936, "fp32", 0.0),
-        Case(8192, 151936, "bf16", 0.5),
-    )),
+    ), skip=("compile", "reference")),
 }
 
 

@@ -40,15 +40,6 @@ constexpr float kMaxFloat = std::numeric_limits<float>::max();
 constexpr int64_t kSkip = KLTRITON_SKIP;               // not scored: outputs 0, never read
 constexpr int64_t kOutOfRange = KLTRITON_OUT_OF_RANGE;  // label outside [0, V): outputs NaN, never read
 
-// A forward kernel variant is one template parameter MODE: a bitmask of these request bits.
-enum ModeBit : int {
-  kEntropy = KLTRITON_WANT_ENTROPY,
-  kRef = KLTRITON_WANT_REF,
-  kFullKl = KLTRITON_WANT_FULL_KL,
-  kForwardKl = KLTRITON_WANT_FORWARD_KL,
-};
-// A backward variant: the optional terms of the gradient basis it evaluates (label and p always).
-enum BasisBit : int { kPLogp = KLTRITON_BASIS_P_LOGP, kPLogq = KLTRITON_BASIS_P_LOGQ, kQ = KLTRITON_BASIS_Q };
 
 // fn(TypeTag<T>{}) with T the C++ type of a float32 / bfloat16 / float16 tensor.
 template <typename T>
@@ -85,6 +76,44 @@ template <int... MODES, typename F>
 inline void with_mode(int mode, F&& fn) {
   const bool found = ((mode == MODES ? (fn(std::integral_constant<int, MODES>{}), true) : false) || ...);
   TORCH_CHECK(found, "kltriton_cpp: no kernel variant for mode ", mode);
+}
+
+// with_mode over every bitmask below LIMIT that VALID<M>::value accepts: the variants follow from the bits
+// (kltriton/kernels/constants.py), so a new request bit or basis term instantiates its own.
+template <bool VALID, int M, typename F>
+inline bool call_if_mode(int mode, F& fn) {
+  if constexpr (VALID) {
+    if (mode == M) {
+      fn(std::integral_constant<int, M>{});
+      return true;
+    }
+  }
+  return false;
+}
+template <template <int> class VALID, typename F, int... Ms>
+inline void with_valid_mode(int mode, F& fn, std::integer_sequence<int, Ms...>) {
+  const bool found = (call_if_mode<VALID<Ms>::value, Ms>(mode, fn) || ...);
+  TORCH_CHECK(found, "kltriton_cpp: no kernel variant for mode ", mode);
+}
+template <int LIMIT, template <int> class VALID, typename F>
+inline void with_any_mode(int mode, F&& fn) {
+  with_valid_mode<VALID>(mode, fn, std::make_integer_sequence<int, LIMIT>{});
+}
+
+// The per-row float32 entries of a list of optional [N] tensors (a gradient basis), nullptr where absent;
+// `keep` holds the contiguous float32 copies alive.
+template <int SIZE>
+inline void rows_of(const c10::List<std::optional<at::Tensor>>& list, int64_t N, const float* (&out)[SIZE],
+                    std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(static_cast<int>(list.size()) == SIZE, "kltriton_cpp: expected ", SIZE, " entries, got ", list.size());
+  for (int i = 0; i < SIZE; ++i) {
+    const std::optional<at::Tensor> t = list.get(i);
+    out[i] = nullptr;
+    if (!t.has_value()) continue;
+    TORCH_CHECK(t->numel() == N, "kltriton_cpp: every entry must have one value per row");
+    keep.push_back(t->to(at::kFloat).contiguous());
+    out[i] = keep.back().data_ptr<float>();
+  }
 }
 
 // kW consecutive elements as floats.
@@ -337,9 +366,8 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
 
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                           const std::optional<at::Tensor>& ref_lse, const at::Tensor& c_label,
-                           const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp,
-                           const std::optional<at::Tensor>& c_p_logq, const std::optional<at::Tensor>& c_q);
+                           const std::optional<at::Tensor>& ref_lse,
+                           const c10::List<std::optional<at::Tensor>>& basis);
 
 std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                                      const at::Tensor& target, const at::Tensor& temperature,

@@ -26,7 +26,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def("stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, int wanted) -> Tensor[]");
   m.def(
       "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
-      "Tensor? ref_lse, Tensor c_label, Tensor c_p, Tensor? c_p_logp, Tensor? c_p_logq, Tensor? c_q) -> Tensor");
+      "Tensor? ref_lse, Tensor?[] basis) -> Tensor");
   m.def(
       "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "

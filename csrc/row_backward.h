@@ -14,6 +14,17 @@
 
 namespace kltriton_cpp {
 
+// A backward variant: the optional terms of the gradient basis it evaluates (label and p always), and the index of
+// each term in a stacked basis (kltriton/kernels/constants.py GRADIENT_BASIS).
+enum BasisBit : int { kPLogp = KLTRITON_BASIS_P_LOGP_BIT, kPLogq = KLTRITON_BASIS_P_LOGQ_BIT, kQ = KLTRITON_BASIS_Q_BIT };
+constexpr int kNumBasis = KLTRITON_NUM_BASIS;
+constexpr int kBasisLimit = KLTRITON_BASIS_LIMIT;
+// The backward variants, by whether they read a reference row.
+template <int M>
+struct ReadsReference : std::bool_constant<(M & KLTRITON_BASIS_NEEDS_REF) != 0> {};
+template <int M>
+struct IgnoresReference : std::bool_constant<(M & KLTRITON_BASIS_NEEDS_REF) == 0> {};
+
 // One row's gradient coefficients: 1 / T = hi + lo, the log-sum-exps, and the basis.
 struct RowCoef {
   float hi, lo, lse, rlse, label, p, p_logp, p_logq, q;
@@ -26,6 +37,13 @@ inline RowCoef row_coef(const Temperatures& temp, int64_t n, float lse, float rl
   double lo;
   temp.inverse(n, hi, lo);
   return RowCoef{hi, static_cast<float>(lo), lse, rlse, label, p, p_logp, p_logq, q};
+}
+
+// The same from a stacked basis: basis[i] the i-th term's [N] values (nullptr: absent, 0).
+inline RowCoef row_coef(const Temperatures& temp, int64_t n, float lse, float rlse, const float* const* basis) {
+  const auto term = [&](int i) { return basis[i] != nullptr ? basis[i][n] : 0.f; };
+  return row_coef(temp, n, lse, rlse, term(KLTRITON_BASIS_LABEL), term(KLTRITON_BASIS_P),
+                  term(KLTRITON_BASIS_P_LOGP), term(KLTRITON_BASIS_P_LOGQ), term(KLTRITON_BASIS_Q));
 }
 
 // MODE bits (BasisBit): kPLogp adds c_p_logp * log p, kPLogq adds c_p_logq * log q, kQ subtracts c_q * q (both

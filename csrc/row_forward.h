@@ -43,6 +43,21 @@ enum Stat : int {
 };
 constexpr int kNumStats = KLTRITON_NUM_STATS;
 
+// A forward kernel variant is one template parameter MODE: a bitmask of the statistics' request bits.
+enum ModeBit : int {
+  kEntropy = KLTRITON_STAT_ENTROPY_REQUEST,
+  kRef = KLTRITON_STAT_REF_LOGP_REQUEST,
+  kFullKl = KLTRITON_STAT_FULL_KL_REQUEST,
+  kForwardKl = KLTRITON_STAT_FORWARD_KL_REQUEST,
+};
+// The forward variants, by whether they read a reference row: every request with the reference bits (any subset
+// of the others), and every request without them.
+template <int M>
+struct WithReference : std::bool_constant<(M & kRef) != 0> {};
+template <int M>
+struct WithoutReference : std::bool_constant<(M & KLTRITON_NEEDS_REF) == 0> {};
+constexpr int kRequestLimit = KLTRITON_REQUEST_LIMIT;
+
 // Whether a forward with request bits `wanted` computes statistic `stat`.
 inline bool stat_present(int stat, int64_t wanted) {
   int bit = 0;

@@ -7,7 +7,8 @@ namespace {
 
 struct Inputs {
   const int64_t* tgt;
-  const float *lse, *rlse, *label, *p, *p_logp, *p_logq, *q;
+  const float *lse, *rlse;
+  const float* basis[kNumBasis];  // by GRADIENT_BASIS index; nullptr: the term is absent
 };
 
 template <typename T, typename R, int MODE>
@@ -15,7 +16,7 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
                   at::Tensor& grad, const Temperatures& temp) {
   const int64_t N = grad.size(0), V = grad.size(1);
   const Rows3d X(logits3d);
-  constexpr bool READS_Y = (MODE & (kPLogq | kQ)) != 0;
+  constexpr bool READS_Y = ReadsReference<MODE>::value;
   const Rows3d Y = READS_Y ? Rows3d(*ref3d) : Rows3d();
   T* gbase = grad.data_ptr<T>();
   at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
@@ -27,9 +28,7 @@ void run_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& r
         zero_row(g, V);
         continue;
       }
-      const RowCoef k = row_coef(temp, n, lse, READS_Y ? in.rlse[n] : 0.f, in.label[n], in.p[n],
-                                 (MODE & kPLogp) ? in.p_logp[n] : 0.f, (MODE & kPLogq) ? in.p_logq[n] : 0.f,
-                                 (MODE & kQ) ? in.q[n] : 0.f);
+      const RowCoef k = row_coef(temp, n, lse, READS_Y ? in.rlse[n] : 0.f, in.basis);
       backward_row<T, R, MODE>(X.row<T>(n), READS_Y ? Y.row<R>(n) : nullptr, g, V, tg, k);
     }
   });
@@ -46,44 +45,46 @@ const float* f32_rows(const at::Tensor& t, int64_t N, const char* name, at::Tens
 
 at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                            const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                           const std::optional<at::Tensor>& ref_lse, const at::Tensor& c_label,
-                           const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp,
-                           const std::optional<at::Tensor>& c_p_logq, const std::optional<at::Tensor>& c_q) {
+                           const std::optional<at::Tensor>& ref_lse,
+                           const c10::List<std::optional<at::Tensor>>& basis) {
   int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
   std::tie(N, V) = check_stream_args(logits3d, target, temperature);
-  const bool with_logq = c_p_logq.has_value(), with_q = c_q.has_value(), with_ref = with_logq || with_q;
-  at::Tensor keep[7];
+  TORCH_CHECK(static_cast<int>(basis.size()) == kNumBasis && basis.get(KLTRITON_BASIS_LABEL).has_value() &&
+                  basis.get(KLTRITON_BASIS_P).has_value(),
+              "kltriton_cpp: the basis needs its ", kNumBasis, " terms, label and p given");
+  int mode = 0;  // the optional terms present, one bit each after label and p
+  for (int i = 2; i < kNumBasis; ++i) mode |= basis.get(i).has_value() ? 1 << (i - 2) : 0;
   Inputs in{};
+  std::vector<at::Tensor> keep;
+  rows_of<kNumBasis>(basis, N, in.basis, keep);
+  const bool with_ref = (mode & KLTRITON_BASIS_NEEDS_REF) != 0;
+  at::Tensor keep_lse, keep_rlse;
   in.tgt = target.data_ptr<int64_t>();
-  in.lse = f32_rows(lse, N, "lse", keep[0]);
-  in.label = f32_rows(c_label, N, "c_label", keep[1]);
-  in.p = f32_rows(c_p, N, "c_p", keep[2]);
-  if (c_p_logp.has_value()) in.p_logp = f32_rows(*c_p_logp, N, "c_p_logp", keep[3]);
+  in.lse = f32_rows(lse, N, "lse", keep_lse);
   if (with_ref) {
     TORCH_CHECK(ref3d.has_value() && ref_lse.has_value(),
-                "kltriton_cpp: the log q and q terms need ref_logits and ref_lse");
+                "kltriton_cpp: the basis terms of the reference need ref_logits and ref_lse");
     check_rows3d(*ref3d, "ref_logits");
     TORCH_CHECK(ref3d->size(0) * ref3d->size(1) == N && ref3d->size(2) == V,
                 "kltriton_cpp: ref_logits must have the shape of logits");
-    in.rlse = f32_rows(*ref_lse, N, "ref_lse", keep[5]);
+    in.rlse = f32_rows(*ref_lse, N, "ref_lse", keep_rlse);
   }
-  if (with_logq) in.p_logq = f32_rows(*c_p_logq, N, "c_p_logq", keep[4]);
-  if (with_q) in.q = f32_rows(*c_q, N, "c_q", keep[6]);
   at::Tensor grad = gradient_buffer(N, V, logits3d.options());
   if (N == 0) return grad;
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
-  const int mode = (c_p_logp.has_value() ? kPLogp : 0) | (with_logq ? kPLogq : 0) | (with_q ? kQ : 0);
-  // The reference is read only for the log q and q terms.
+  // The reference is read only for the terms that need it.
   const std::optional<at::Tensor> ref_read = with_ref ? ref3d : std::nullopt;
   with_dtypes(logits3d.scalar_type(), ref_read, [&](auto tag, auto ref_tag) {
     using T = typename decltype(tag)::type;
     using R = typename decltype(ref_tag)::type;
     if (with_ref) {
-      with_mode<kPLogq, kPLogq | kPLogp, kQ, kQ | kPLogp, kQ | kPLogq, kQ | kPLogq | kPLogp>(mode, [&](auto m) {
+      with_any_mode<kBasisLimit, ReadsReference>(mode, [&](auto m) {
         run_backward<T, R, decltype(m)::value>(logits3d, ref3d, in, grad, temp);
       });
     } else if constexpr (std::is_same_v<T, R>) {
-      with_mode<0, kPLogp>(mode, [&](auto m) { run_backward<T, T, decltype(m)::value>(logits3d, ref3d, in, grad, temp); });
+      with_any_mode<kBasisLimit, IgnoresReference>(mode, [&](auto m) {
+        run_backward<T, T, decltype(m)::value>(logits3d, ref3d, in, grad, temp);
+      });
     }
   });
   return grad;

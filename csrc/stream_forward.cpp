@@ -1,5 +1,6 @@
 // The stream family's forward op on the CPU: each row's statistics by the row kernel of
-// row_forward.h, rows in parallel, written to one output tensor per statistic.
+// row_forward.h, rows in parallel, written to one output tensor per statistic. One variant per request
+// (the statistics asked for), instantiated for every request the bits allow.
 #include "row_forward.h"
 
 namespace kltriton_cpp {
@@ -60,12 +61,13 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
     using T = typename decltype(tag)::type;
     using R = typename decltype(ref_tag)::type;
     if (has_ref) {
-      with_mode<kRef, kRef | kEntropy, kRef | kFullKl, kRef | kFullKl | kEntropy, kRef | kForwardKl,
-                kRef | kForwardKl | kEntropy>(mode, [&](auto m) {
+      with_any_mode<kRequestLimit, WithReference>(mode, [&](auto m) {
         run_forward<T, R, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out);
       });
     } else if constexpr (std::is_same_v<T, R>) {
-      with_mode<0, kEntropy>(mode, [&](auto m) { run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out); });
+      with_any_mode<kRequestLimit, WithoutReference>(mode, [&](auto m) {
+        run_forward<T, T, decltype(m)::value>(logits3d, ref3d, tgt, N, V, temp, out);
+      });
     }
   });
   return stats;

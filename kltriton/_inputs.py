@@ -38,8 +38,10 @@ def host_checks() -> bool:
 class Layout(NamedTuple):
     target: torch.Tensor        # [N] int64: label, SKIP (not scored) or OUT_OF_RANGE
     shape: torch.Size           # S, the leading shape of the logits (shape of every output)
-    num_seqs: int               # sequences: rows of [B, T], segments of cu_seqlens, else 1
+    num_seqs: int               # sequences: rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
     seq_index: Optional[torch.Tensor]  # [N] int64 sequence of each position (when asked for)
+    position: Optional[torch.Tensor] = None  # [N] int64 place of each position along its sequence's axis (T of
+    #                                          [B, T], or the packed stream), global under a sequence split (when asked)
 
 
 def check_logits(logits, name="logits"):
@@ -138,7 +140,9 @@ def _check_same_leading(name, tensor, shape, device, integer=False, boolean=Fals
         raise ValueError(f"{name} is on {tensor.device} but logits are on {device}")
 
 
-def _check_cu_seqlens(cu_seqlens, shape, device):
+def _check_cu_seqlens(cu_seqlens, shape, device, total=None):
+    """``cu_seqlens`` of flat ``shape [N]``; under a sequence split its offsets are global: they end at ``total``
+    (every rank's packed tokens)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -150,21 +154,55 @@ def _check_cu_seqlens(cu_seqlens, shape, device):
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {device}")
     if host_checks():
-        n = shape[0]
+        n = shape[0] if total is None else int(total)
         first, last = cu_seqlens[0].item(), cu_seqlens[-1].item()
         if first != 0 or last != n:
-            raise ValueError(f"cu_seqlens must start at 0 and end at N={n}, got {first} ... {last}")
+            where = "" if total is None else " (every rank's packed tokens: the offsets are global under a sequence_group)"
+            raise ValueError(f"cu_seqlens must start at 0 and end at N={n}{where}, got {first} ... {last}")
         if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def _shift_left(tensor, fill, sequence_ends):
-    """``tensor[t + 1]`` at position ``t`` along the last dim; ``fill`` where no next token exists."""
+def _shift_left(tensor, fill, sequence_ends, following=None):
+    """``tensor[t + 1]`` at position ``t`` along the last dim; ``fill`` where no next token exists. ``following``:
+    the values after the last position (the next rank's first ones, ``tensor.shape[:-1]``), else ``fill``.
+    ``sequence_ends``: the positions that end a sequence (an index or a bool mask), ``fill`` there."""
     shifted = torch.full_like(tensor, fill)
     shifted[..., :-1] = tensor[..., 1:]
+    if following is not None:
+        shifted[..., -1] = following
     if sequence_ends is not None:
         shifted[sequence_ends] = fill
     return shifted
+
+
+def _from_next_slice(labels, mask, split, ignore_index):
+    """``(labels, mask)`` after this rank's slice: the first position's of the next rank that holds one (shape
+    ``labels.shape[:-1]``), ``ignore_index`` / False after the last slice. One all-gather (``parallel``)."""
+    from kltriton import parallel
+
+    rows = labels.shape[:-1]
+    width = labels.shape[-1]
+    first = labels[..., 0] if width else torch.zeros(rows, dtype=labels.dtype, device=labels.device)
+    parts = [first.reshape(-1)]
+    if mask is not None:
+        parts.append((mask[..., 0] if width else torch.zeros(rows, dtype=torch.bool, device=mask.device))
+                     .reshape(-1).long())
+    values, present = parallel.from_next_rank(torch.cat(parts), split)
+    count = rows.numel()
+    next_labels = torch.where(present, values[:count], torch.full_like(values[:count], ignore_index)).view(rows)
+    next_mask = None if mask is None else ((values[count:] != 0) & present).view(rows)
+    return next_labels, next_mask
+
+
+def _split_sequence_ends(cu_seqlens, n, split):
+    """``[n]`` bool: this rank's positions that end a packed segment, from the global ``cu_seqlens`` (an empty
+    segment marks the one before it, as ``_last_positions``)."""
+    ends = torch.remainder(cu_seqlens[1:].long() - 1, split.total) - split.start
+    inside = (ends >= 0) & (ends < n)
+    dump = torch.full_like(ends, n)
+    return torch.zeros(n + 1, dtype=torch.bool, device=ends.device).scatter_(0, torch.where(inside, ends, dump),
+                                                                             True)[:n]
 
 
 def _last_positions(cu_seqlens, n):
@@ -178,10 +216,15 @@ def _last_positions(cu_seqlens, n):
 
 
 def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels,
-                 with_seq_index=False, spans: str = "") -> Layout:
+                 with_seq_index=False, spans: str = "", split=None) -> Layout:
     """Validate the label-side arguments against the logits' leading ``shape`` (on ``device``) and build the flat
     ``target``. Labels must lie in ``[0, vocab)``: the global vocabulary (``spans``: how the ranks' shards cover
-    it, for the error message)."""
+    it, for the error message).
+
+    ``split``: this rank's ``parallel.SequenceSplit`` (a sequence group): ``shape`` is this rank's slice of the
+    sequence dimension (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``); the shift
+    takes the last position's label and mask from the next rank's slice (one all-gather, every rank calls it), and
+    sequences and positions are the global ones."""
     shape = torch.Size(shape)
     if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == len(shape) >= 1
             and labels.shape[:-1] == shape[:-1] and labels.shape[-1] == shape[-1] + 1):
@@ -195,17 +238,22 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, shape, device)
+        _check_cu_seqlens(cu_seqlens, shape, device, None if split is None else split.total)
     n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")
 
     labels = labels.long()
-    if shift_labels and n:
-        ends = _last_positions(cu_seqlens, n) if cu_seqlens is not None else None
-        labels = _shift_left(labels, ignore_index, ends)
-        if mask is not None:
-            mask = _shift_left(mask, False, ends)
+    if shift_labels:
+        following = (None, None) if split is None else _from_next_slice(labels, mask, split, ignore_index)
+        if n:
+            if cu_seqlens is None:
+                ends = None
+            else:
+                ends = _last_positions(cu_seqlens, n) if split is None else _split_sequence_ends(cu_seqlens, n, split)
+            labels = _shift_left(labels, ignore_index, ends, following[0])
+            if mask is not None:
+                mask = _shift_left(mask, False, ends, following[1])
     scored = labels != ignore_index
     if mask is not None:
         scored = scored & mask
@@ -216,7 +264,11 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
         raise ValueError(f"labels must lie in [0, V={vocab}){where} or equal ignore_index={ignore_index}; found {bad}")
     target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
-    seq_index = None
+    seq_index = position = None
+    start = 0 if split is None else split.start
+    if with_seq_index:  # the place of each position along the sequence axis: T of [B, T], or the flat stream
+        flat = torch.arange(n, device=device)
+        position = start + (flat % max(shape[-1], 1) if labels.dim() >= 2 else flat)
     if labels.dim() >= 2:
         num_seqs = n // shape[-1] if shape[-1] else shape[:-1].numel()
         if with_seq_index:
@@ -224,10 +276,9 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     elif cu_seqlens is not None:
         num_seqs = cu_seqlens.numel() - 1
         if with_seq_index:
-            positions = torch.arange(n, device=device, dtype=cu_seqlens.dtype)
-            seq_index = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+            seq_index = torch.searchsorted(cu_seqlens[1:].long().contiguous(), position, right=True)
     else:
         num_seqs = 1
         if with_seq_index:
             seq_index = torch.zeros(n, dtype=torch.long, device=device)
-    return Layout(target.contiguous(), shape, num_seqs, seq_index)
+    return Layout(target.contiguous(), shape, num_seqs, seq_index, position)

@@ -10,6 +10,8 @@ starts with ``enter``, which checks each input once and turns
 - the label-side arguments into the flat ``Layout`` (``kltriton._inputs``);
 - ``temperature`` into the kernels' float64 tensor, ``truncation`` into a ``Truncation`` or None;
 - ``process_group`` / ``vocab_start``, or a DTensor's placement, into one ``VocabShard`` (or None);
+- ``sequence_group``, or a DTensor's placement on the sequence dimension, into one ``SequenceSplit`` (or None), which
+  the layout reads (the shift across the split, global sequences and positions);
 
 and keeps the user's ``backend`` choice for ``kltriton.route``, which resolves it per kernel family. What is left
 in each public function is its own arithmetic.
@@ -27,6 +29,7 @@ from kltriton.topk import TopK
 from kltriton.truncation import Truncation, check_truncation
 
 local_rows = _dtensor.local_rows
+check_group = parallel.check_group
 
 
 class Call(NamedTuple):
@@ -41,6 +44,12 @@ class Call(NamedTuple):
     shard: Optional[parallel.VocabShard]   # this rank's vocab shard, or None
     backend: Optional[str]                 # the user's choice; kltriton.route resolves it per family
     tile_elements: int                     # working tile of a projected side
+    split: Optional[parallel.SequenceSplit] = None  # this rank's slice of the sequences (a sequence group), or None
+
+    @property
+    def sequence_group(self):
+        """The group of ranks that hold the other slices of the sequences (None: the sequences are whole here)."""
+        return None if self.split is None else self.split.group
 
     @property
     def device(self) -> torch.device:
@@ -66,20 +75,21 @@ def _width(side: Side) -> int:
 
 
 def _side(value, name: str, detach: bool = False):
-    """``(Side, VocabAxis or None, full shape, tile_elements or None)`` of logits or a ``LinearLogits``."""
+    """``(Side, VocabAxis or None, SequenceAxis or None, full shape, tile_elements or None)`` of logits or a
+    ``LinearLogits``."""
     if isinstance(value, LinearLogits):
-        hidden, weight, bias, axis = _dtensor.local_head(value.hidden, value.weight, value.bias)
+        hidden, weight, bias, axis, sequence = _dtensor.local_head(value.hidden, value.weight, value.bias)
         scale = None if value.logit_scale == 1.0 else runtime_scalar(value.logit_scale, hidden.device)
         softcap = None if value.softcap is None else runtime_scalar(value.softcap, hidden.device)
         side = Side(hidden, weight, bias, scale, softcap)
         shape, tile = value.shape, value.tile_elements
     else:
         check_logits(value, name)
-        local, axis = _dtensor.local_logits(value, name)
+        local, axis, sequence = _dtensor.local_logits(value, name)
         side, shape, tile = Side(local, None, None, None, None), value.shape, None
     if detach:
         side = Side(*(None if t is None else t.detach() for t in side))
-    return side, axis, shape, tile
+    return side, axis, sequence, shape, tile
 
 
 def _reference(ref, forms, policy, policy_shape, names):
@@ -115,8 +125,8 @@ def _reference(ref, forms, policy, policy_shape, names):
                 ref.dtype not in LOGIT_DTYPES or (ref.dtype == torch.float64) != (policy_dtype == torch.float64)):
             raise TypeError(f"{name} logits must be float32, bfloat16 or float16 (float64 only with float64 "
                             f"{policy_name}), got {ref.dtype} with {policy_name} {policy_dtype}")
-        side, axis, _, tile = _side(ref, name, detach=True)
-        return side, axis, None, None, tile
+        side, axis, sequence, _, tile = _side(ref, name, detach=True)
+        return side, (axis, sequence), None, None, tile
     if "logprobs" in forms and tuple(ref.shape) == tuple(policy_shape[:-1]):
         if not ref.dtype.is_floating_point:
             raise TypeError(f"{name} must be floating point, got {ref.dtype}")
@@ -141,24 +151,42 @@ def _shard(axis, process_group, vocab_start, side: Side, rows: int) -> Optional[
     return parallel.chunked_shard(axis.group, axis.start, _width(side), axis.vocab)
 
 
+def _split(axis, sequence_group, leading, device) -> Optional[parallel.SequenceSplit]:
+    """The call's ``SequenceSplit``: from a DTensor's sequence axis (no collective), or from ``sequence_group``
+    (``parallel.sequence_split``: one small all-gather)."""
+    if axis is None and sequence_group is None:
+        return None
+    if len(leading) == 0:
+        raise ValueError("sequence_group needs logits with a sequence dimension: [B, T, V] or packed [N, V]")
+    if axis is None:
+        return parallel.sequence_split(leading[-1], leading[:-1].numel(), len(leading), device, sequence_group)
+    if sequence_group is not None and not parallel.same_group(sequence_group, axis.group):
+        raise ValueError("sequence_group is not the group of the mesh dimension that shards the DTensor's sequence "
+                         f"dimension (mesh dimension {axis.mesh_dim} of {axis.mesh}): pass sequence_group=None with "
+                         "DTensors, or that dimension's group (mesh.get_group(dim))")
+    return parallel.chunked_split(axis.group, axis.rank, axis.length, device)
+
+
 def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=("logits", "ref"), temperature=1.0,
           ignore_index=-100, mask=None, cu_seqlens=None, shift_labels=False, backend=None, process_group=None,
-          vocab_start=None, truncation=None, with_seq_index=False) -> Call:
+          vocab_start=None, truncation=None, with_seq_index=False, sequence_group=None) -> Call:
     """The ``Call`` of a public function's inputs (see the module docstring). ``names``: how the call names its
     policy and reference in error messages; ``ref_forms``: the reference's accepted forms (``"logits"``,
     ``"logprobs"``, ``"topk"``); ``with_seq_index``: the layout maps each position to its sequence."""
     policy_name, ref_name = names
-    policy, axis, shape, tile = _side(logits, policy_name)
+    policy, axis, sequence_axis, shape, tile = _side(logits, policy_name)
     device = policy.x.device
     ref_side = ref_logprobs = topk = None
     if ref is not None:
-        ref_side, ref_axis, ref_logprobs, topk, ref_tile = _reference(ref, ref_forms, policy, shape,
+        ref_side, ref_axes, ref_logprobs, topk, ref_tile = _reference(ref, ref_forms, policy, shape,
                                                                       (ref_name, policy_name))
         if ref_side is not None:
-            _dtensor.check_same_axis(axis, ref_axis, policy_name, ref_name)
+            _dtensor.check_same_axis(axis, ref_axes[0], policy_name, ref_name)
+            _dtensor.check_same_sequence_axis(sequence_axis, ref_axes[1], policy_name, ref_name)
             tile = tile or ref_tile
     leading = policy.x.shape[:-1]
     shard = _shard(axis, process_group, vocab_start, policy, leading.numel())
+    split = _split(sequence_axis, sequence_group, leading, device)
     temperature = check_temperature(local_rows(temperature, "temperature"), device, leading)
     truncation = check_truncation(truncation)
     vocab = shard.vocab if shard is not None else shape[-1]
@@ -166,6 +194,6 @@ def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=(
                           mask=None if mask is None else local_rows(mask, "mask"),
                           cu_seqlens=None if cu_seqlens is None else local_rows(cu_seqlens, "cu_seqlens"),
                           shift_labels=shift_labels, with_seq_index=with_seq_index or truncation is not None,
-                          spans=shard.spans if shard is not None else "")
+                          spans=shard.spans if shard is not None else "", split=split)
     return Call(policy, ref_side, ref_logprobs, topk, layout, temperature, truncation, shard, backend,
-                tile or default_tile_elements(device.type))
+                tile or default_tile_elements(device.type), split)

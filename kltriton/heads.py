@@ -25,7 +25,9 @@ Both read the head's ``logit_scale`` and ``softcap`` from the model's config
 A tensor-parallel head (a ``DTensor`` weight that no FSDP2 unit owns, e.g. transformers' ``tp_plan`` or torch's
 ``ColwiseParallel``) is not called as a module (its output hooks expect logits): ``LinearLogits`` gets the
 ``DTensor`` weight as it is and ``hidden`` as a ``Replicate`` ``DTensor`` on the weight's mesh, which kltriton's
-DTensor front door scores vocab-parallel.
+DTensor front door scores vocab-parallel. A head that is both (FSDP2 over a tensor-parallel head, a 2-D mesh) is
+called as its module for FSDP2's hooks, without the tensor-parallel style's output hook; inside, its unsharded weight
+is the tensor-parallel ``DTensor``, scored the same way.
 """
 import contextlib
 from typing import Any, Callable, Optional, Tuple
@@ -110,7 +112,8 @@ def score_with_lm_head(model: torch.nn.Module, hidden: torch.Tensor, fn: Callabl
                 "inside the model's forward (through the wrapped model's forward, as TRL's _ForwardRedirection does)")
         return fn(_linear_logits(model, head_input, head.weight, head.bias))
 
-    return call_as_forward(head, forward, hidden)
+    with _without_output_layout(head):
+        return call_as_forward(head, forward, hidden)
 
 
 def run_in_forward(model: torch.nn.Module, fn: Callable, *args) -> Any:
@@ -216,6 +219,30 @@ def _fsdp_sharded(model, head) -> bool:
 def _tensor_parallel(model, head) -> bool:
     """A ``DTensor`` head that no FSDP2 unit owns: tensor parallel."""
     return _is_dtensor(head.weight) and _fsdp_param(model, head)[0] is None
+
+
+@contextlib.contextmanager
+def _without_output_layout(head):
+    """The head's forward hooks without those of a tensor-parallel style (torch's ``parallelize_module``, which
+    transformers' ``tp_plan`` uses too): ``distribute_module`` registers a lambda over the style's ``output_fn``
+    that redistributes the module's output as logits (it reads ``outputs.placements``) and fails on what ``fn``
+    returns. An FSDP2 head that is also tensor parallel (a 2-D mesh) runs ``fn`` as its forward with that hook left
+    out; FSDP2's hooks and the style's input hook (the hidden states as a ``Replicate`` DTensor) stay."""
+    hooks = head._forward_hooks
+    layout_hooks = [key for key, hook in hooks.items()
+                    if getattr(hook, "__module__", None) == "torch.distributed.tensor._api"
+                    and "output_fn" in getattr(getattr(hook, "__code__", None), "co_freevars", ())]
+    if not layout_hooks:
+        yield
+        return
+    saved = hooks.copy()
+    for key in layout_hooks:
+        del hooks[key]
+    try:
+        yield
+    finally:
+        hooks.clear()
+        hooks.update(saved)
 
 
 def _sharding(weight) -> str:

@@ -16,6 +16,12 @@ pass, both differentiable w.r.t. the policy side's logits, or hidden states, wei
   JSD's second pass, a top-k teacher's ``K`` columns): the local pass, one all-reduce of its outputs; backward as
   above.
 
+Sequence (context) parallel, ``SequenceSplit``: each rank of a sequence group holds a contiguous slice of the sequence
+dimension. ``sequence_split`` learns the slice's start (one all-gather of 3 int64 per rank, or ``chunked_split`` from
+a DTensor's placement, none), ``from_next_rank`` brings the next slice's first labels for the shift (one all-gather),
+and ``sum_of_parts`` / ``sum_over_ranks`` are the two gradients of a sum over the ranks (``weights.Sequences``, the
+one place that reduces per sequence, calls them).
+
 The truncation floor over shards is ``kltriton.sharded_floor``. The collectives are
 ``torch.distributed._functional_collectives`` (``all_gather_single``, ``all_reduce``), which ``torch.compile``
 traces; the autograd functions never differentiate through a collective.
@@ -430,6 +436,105 @@ def sum_over_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
     """The sum of every rank's ``tensor``; its gradient passes as it is (every rank computes the same loss from the
     sum, so its own part's gradient needs no communication)."""
     return summed(LocalPass("values", group, 0, 0, 0, 0, ""), None, tensor, None, None)
+
+
+# --- sequence (context) parallel: each rank of a group holds a contiguous slice of the sequence dimension ------------
+
+def check_group(group, name: str):
+    """``group`` is a ``torch.distributed.ProcessGroup``, else a ``TypeError`` naming the argument."""
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+
+
+class SequenceSplit(NamedTuple):
+    """This rank's slice of the sequence dimension (``T`` of ``[B, T]``, or the packed token stream of ``[N]``),
+    the ranks' slices contiguous and in rank order."""
+    group: object                    # torch.distributed.ProcessGroup
+    rank: int                        # this rank's index in the group
+    start: Union[int, torch.Tensor]  # this slice's first position (0-dim int64 when learned on the device)
+    total: Union[int, torch.Tensor]  # the global length (every rank's slices together)
+    sizes: torch.Tensor              # [ranks] int64: every rank's slice length, on the device
+
+
+def _check_sequence_table(table):
+    """``table``: per rank ``[length, rows, ndim]``; every rank must hold the same rows (sequences) and layout."""
+    if len({(r, d) for _, r, d in table}) != 1:
+        shown = ", ".join(f"rank {i}: {'[B, T] with B=' + str(r) if d >= 2 else '[N]'}"
+                          for i, (_, r, d) in enumerate(table))
+        raise ValueError(f"sequence_group: every rank must hold a slice of the same sequences (the same B of [B, T], "
+                         f"or [N] packed on every rank), got {shown}")
+
+
+def sequence_split(size: int, rows: int, ndim: int, device, group) -> SequenceSplit:
+    """This rank's ``SequenceSplit`` of a slice of ``size`` positions (``rows`` sequences of a ``[B, T]`` layout,
+    ``ndim`` its leading dims), learned with ONE all-gather of 3 int64 per rank. With validation on
+    (``kltriton.set_validation``) the same all-gather checks that every rank holds the same sequences (a host sync);
+    with it off the start and the total stay on the device."""
+    check_group(group, "sequence_group")
+    rank = dist.get_rank(group)
+    mine = torch.tensor([size, rows, ndim], dtype=torch.int64, device=device)
+    table = all_gather(mine, group).view(-1, 3)
+    sizes = table[:, 0]
+    if not host_checks():
+        return SequenceSplit(group, rank, sizes[:rank].sum(), sizes.sum(), sizes)
+    rows_table = table.tolist()
+    _check_sequence_table(rows_table)
+    lengths = [entry[0] for entry in rows_table]
+    return SequenceSplit(group, rank, sum(lengths[:rank]), sum(lengths), sizes)
+
+
+def chunked_split(group, rank: int, length: int, device) -> SequenceSplit:
+    """The ``SequenceSplit`` of a DTensor's sequence dimension of ``length`` positions sharded over ``group`` as
+    ``torch.chunk`` splits it: known from the placement, no collective."""
+    parts = dist.get_world_size(group)
+    chunk = -(-length // parts)
+    bounds = [min(r * chunk, length) for r in range(parts + 1)]
+    sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.int64, device=device)
+    return SequenceSplit(group, rank, bounds[rank], length, sizes)
+
+
+def from_next_rank(first: torch.Tensor, split: SequenceSplit) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(values, present)``: the ``[K]`` values ``first`` of the next rank of the group that holds a non-empty
+    slice, and whether there is one (0-dim bool; the last slice has none). ONE all-gather of ``K`` int64 per rank
+    (every rank calls it, an empty slice with any values of the right size)."""
+    gathered = all_gather(first.to(torch.int64).contiguous(), split.group).view(split.sizes.shape[0], -1)
+    ranks = torch.arange(split.sizes.shape[0], device=first.device)
+    later = (ranks > split.rank) & (split.sizes > 0)
+    following = torch.where(later, ranks, torch.full_like(ranks, split.sizes.shape[0])).min()
+    present = following < split.sizes.shape[0]
+    return gathered[following.clamp(max=split.sizes.shape[0] - 1)], present
+
+
+class _SumOfParts(torch.autograd.Function):
+    """Forward: the sum of every rank's tensor. Backward: the sum of every rank's upstream gradient (each rank's
+    upstream gradient is that of its own part of a loss that is summed over the ranks)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return all_reduce(tensor.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+def sum_of_parts(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's ``tensor`` (one all-reduce), for use inside each rank's part of a loss that is summed
+    over the ranks (``sum_over_ranks``): its gradient w.r.t. this rank's ``tensor`` is summed over the ranks' parts
+    (one all-reduce in the backward)."""
+    return _SumOfParts.apply(tensor, group)
+
+
+def gather_padded(values: torch.Tensor, fill: float, group) -> torch.Tensor:
+    """Every rank's ``[n_r]`` ``values`` in one tensor ``[ranks * max n_r]`` (each padded with ``fill``): one
+    all-gather of the lengths (read on the host: a sync) and one of the padded values, as accelerate's
+    ``pad_across_processes`` + ``gather``."""
+    length = torch.tensor([values.shape[0]], dtype=torch.int64, device=values.device)
+    widest = int(all_gather(length, group).max().item())
+    padded = torch.full((widest,), fill, dtype=values.dtype, device=values.device)
+    padded[:values.shape[0]] = values
+    return all_gather(padded, group)
 
 
 def widest_shard(size: int, device, group) -> int:

@@ -134,3 +134,20 @@ def kernel_backward(impl, x, y, t, temperature, stats, g_logp, g_entropy=None, g
     basis = statistics.gradient_basis({"logp": g_logp, "entropy": g_entropy, "full_kl": g_full_kl}, stats, temperature)
     logq = basis.reads_ref()
     return impl.backward(x, y if logq else None, t, temperature, stats.lse, stats.ref_lse if logq else None, basis)
+
+
+def leave_world():
+    """End a spawned gloo rank: wait (at most a minute) until every rank is done, then destroy the group.
+    Without the barrier a rank that finishes first tears its connections down while another still uses
+    them, and gloo's threads abort that process at exit ("terminate called without an active exception")."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    finally:
+        dist.destroy_process_group()

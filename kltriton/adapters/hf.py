@@ -2,13 +2,15 @@
 
 The backbone runs once; its LM head is handed to the kernels as a ``kltriton.LinearLogits`` (with the
 softcap / logit scale of the model's config), so no logits are built at all: only the scored
-positions are projected, in tiles, and the log-probs come from the fused kernels.
+positions are projected, in tiles, and the log-probs come from the fused kernels. The model may be wrapped
+(DDP, FSDP2, a DeepSpeed engine): the scoring runs inside its forward and its LM head's (``kltriton.heads``).
 transformers is never imported here: the model object brings it.
 """
 from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton import heads
 from kltriton.functional.token_kl import token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.linear_logits import LinearLogits, head_scaling
@@ -42,13 +44,37 @@ def _positions_from_cu_seqlens(cu_seqlens, n, device):
     return torch.arange(n, device=device) - starts
 
 
-def _linear_logits(model, input_ids, attention_mask, position_ids) -> LinearLogits:
-    """The model's logits ``[B, T, V]`` as a ``LinearLogits`` over its last hidden states."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hidden = model.base_model(**kwargs).last_hidden_state
-    head = model.get_output_embeddings()
-    scale, softcap = head_scaling(model.config)
-    return LinearLogits(hidden, head.weight, getattr(head, "bias", None), logit_scale=scale, softcap=softcap)
+def _backbone(model, input_ids, attention_mask, position_ids):
+    """The last hidden states of ``model`` (unwrapped) on the inputs."""
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
+
+
+def _scored(model, inputs, fn):
+    """``fn(logits)``, ``logits`` the model's ``LinearLogits``, computed inside the model's forward (through whatever
+    wraps it: DDP, FSDP2, a DeepSpeed engine) and its LM head's forward (``kltriton.heads``), so the wrapper gathers
+    and reduces the head as in the model's own forward."""
+    inner = heads.unwrap_model(model)
+
+    def forward(*inputs):
+        return heads.score_with_lm_head(inner, _backbone(inner, *inputs), fn)
+
+    return heads.run_in_forward(model, forward, *inputs)
+
+
+def _reference_logits(model, inputs) -> LinearLogits:
+    """The reference model's ``LinearLogits`` (no gradient): its backbone run through its wrapper's forward, its head
+    a gathered copy when sharded (``kltriton.heads.lm_head_logits``)."""
+    inner = heads.unwrap_model(model)
+
+    def forward(*inputs):
+        logits = heads.lm_head_logits(inner, _backbone(inner, *inputs))
+        return logits.hidden, logits.weight, logits.bias  # tensors: what a wrapper's output hooks expect
+
+    with torch.no_grad():
+        hidden, weight, bias = heads.run_in_forward(model, forward, *inputs)
+    scale, softcap = head_scaling(inner.config)
+    return LinearLogits(hidden, weight, bias, logit_scale=scale, softcap=softcap)
 
 
 def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None, position_ids=None,
@@ -57,7 +83,8 @@ def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None
     """Log-probs of every next token under a causal LM (and the KL against ``ref_model``).
 
     Args:
-        model: a transformers causal LM (``...ForCausalLM``).
+        model: a transformers causal LM (``...ForCausalLM``), plain or wrapped (DDP, FSDP2, a DeepSpeed
+            engine): scored inside its forward and its LM head's (``kltriton.heads``).
         input_ids: padded ``[B, T]``, or packed ``[1, N]`` / ``[N]`` with ``cu_seqlens`` or
             ``position_ids`` restarting at 0 for every sequence.
         attention_mask: padded layout only, ``[B, T]`` (1 = real token; left or right padding).
@@ -68,7 +95,8 @@ def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None
         response_mask: optional bool, shape of ``input_ids``: the tokens whose log-prob is request
             (e.g. the response); position ``t`` is scored iff ``response_mask[t + 1]``.
         temperature: log-probs of ``softmax(logits / temperature)`` for both models.
-        ref_model: optional reference causal LM; run without gradient.
+        ref_model: optional reference causal LM, plain or wrapped; run without gradient (a sharded head is
+            gathered into a copy).
         estimator, kl_clamp, backend: as in ``kltriton.token_kl``.
 
     Returns:
@@ -95,12 +123,13 @@ def causal_lm_logprobs(model, input_ids, attention_mask=None, *, cu_seqlens=None
     labels[..., :-1] = input_ids[..., 1:]
     labels = labels.masked_fill(~scored, -100)
 
-    logits = _linear_logits(model, input_ids, attention_mask, position_ids)
+    inputs = (input_ids, attention_mask, position_ids)
     if ref_model is None:
-        logp = token_logprobs(logits, labels, temperature=temperature, backend=backend)
+        logp = _scored(model, inputs, lambda logits: token_logprobs(logits, labels, temperature=temperature,
+                                                                   backend=backend))
         return CausalLMLogprobs(logp.reshape(shape))
-    with torch.no_grad():
-        ref_logits = _linear_logits(ref_model, input_ids, attention_mask, position_ids)
-    kl, logp, ref_logp = token_kl(logits, ref_logits, labels, estimator=estimator, kl_clamp=kl_clamp,
-                                  temperature=temperature, backend=backend)
+    ref_logits = _reference_logits(ref_model, inputs)
+    kl, logp, ref_logp = _scored(model, inputs, lambda logits: tuple(token_kl(
+        logits, ref_logits, labels, estimator=estimator, kl_clamp=kl_clamp, temperature=temperature,
+        backend=backend)))
     return CausalLMLogprobs(logp.reshape(shape), kl.reshape(shape), ref_logp.reshape(shape))

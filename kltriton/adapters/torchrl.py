@@ -117,6 +117,14 @@ def _check_same_lengths(gen: Packed, ref: Packed, gen_name: str, ref_name: str) 
                              f"{ref_name}[{i}] has {m}")
 
 
+def _write_kl(tensordict, kl_key, kl: Packed, coef):
+    """``kl`` to ``kl_key``; with ``coef`` (not None), the reward, when there is one, penalized by ``coef * kl``."""
+    _write(tensordict, kl_key, kl)
+    reward = _read(tensordict, "reward") if coef is not None else None
+    if reward is not None:
+        _write(tensordict, "reward", _penalized(reward, kl, coef))
+
+
 def _penalized(reward: Packed, kl: Packed, coef) -> Packed:
     """``reward - coef * kl[..., None]``, sample by sample. A sample's reward is ``[T_i, 1]`` (per token)
     or a single row (``[1, 1]``, or ``[1]`` of a ``[B, 1]`` reward) spread over its tokens."""
@@ -300,11 +308,7 @@ class KLComputation(Transform):
         _check_same_lengths(gen, ref, "gen_log_probs", "ref_log_probs")
         kl = Packed(_kl_of_logprobs(gen.values, ref.values, self.estimator, self.kl_clamp),
                   gen.lengths, gen.padded and ref.padded)
-        _write(next_tensordict, self.kl_key, kl)
-        if self.add_to_reward:
-            reward = _read(next_tensordict, "reward")
-            if reward is not None:
-                _write(next_tensordict, "reward", _penalized(reward, kl, self.coeff))
+        _write_kl(next_tensordict, self.kl_key, kl, self.coeff if self.add_to_reward else None)
         return next_tensordict
 
     def transform_observation_spec(self, observation_spec):
@@ -466,11 +470,7 @@ class RetrieveKL(Transform):
         logp, ref_logp, kl = (_to(rows, next_tensordict.device) for rows in result)
         _write(next_tensordict, self.gen_log_probs_full_key, logp)
         _write(next_tensordict, self.ref_log_probs_full_key, ref_logp)
-        _write(next_tensordict, self.kl_key, kl)
-        if self.add_to_reward:
-            reward = _read(next_tensordict, "reward")
-            if reward is not None:
-                _write(next_tensordict, "reward", _penalized(reward, kl, self.coeff))
+        _write_kl(next_tensordict, self.kl_key, kl, self.coeff if self.add_to_reward else None)
         return next_tensordict
 
     def _kl_from_logits(self, data):

@@ -13,6 +13,7 @@ from kltriton._inputs import check_float, runtime_scalar
 from kltriton.front_door import enter, local_rows
 from kltriton.functional.token_kl import kl_of_call
 from kltriton.kernels import SKIP
+from kltriton.kernels.loss.weights import Sequences
 
 
 class KLReward(NamedTuple):
@@ -23,31 +24,25 @@ class KLReward(NamedTuple):
     kl_per_seq: torch.Tensor    # [num_seqs] fp32
 
 
-def _valid_counts(target, seq_index, num_seqs, dtype):
-    """Scored positions per sequence (``OUT_OF_RANGE`` positions count: their NaN must show in the mean)."""
-    scored = (target != SKIP).to(dtype)
-    return scored, torch.zeros(num_seqs, dtype=dtype, device=target.device).index_add_(0, seq_index, scored)
-
-
-def shape_rewards(kl, target, seq_index, num_seqs, coef, rewards, scores, score_clip):
-    """``(reward [N], kl_per_seq [num_seqs])`` from the flat per-token ``kl``."""
-    scored, counts = _valid_counts(target, seq_index, num_seqs, kl.dtype)
-    kl_per_seq = torch.zeros(num_seqs, dtype=kl.dtype, device=kl.device).index_add_(0, seq_index, kl)
-    kl_per_seq = kl_per_seq / counts.clamp(min=1)
+def shape_rewards(kl, target, sequences: Sequences, coef, rewards, scores, score_clip):
+    """``(reward [N], kl_per_seq [num_seqs])`` from the flat per-token ``kl``; ``sequences`` (with positions) says
+    which sequence each position is in and which ranks hold the rest of them (one all-reduce for the means, one for
+    the last scored positions)."""
+    scored = target != SKIP  # OUT_OF_RANGE positions count: their NaN must show in the mean
+    total, counts = sequences.sum(torch.stack([kl, scored.to(kl.dtype)]), replicated=True).unbind()
+    kl_per_seq = total / counts.clamp(min=1)
     # kl is 0 at unscored positions, so a given per-token reward passes through there unchanged
     # (torchrl KLComputation, verl apply_kl_penalty); without one the reward is 0 there.
     reward = -coef.to(kl.dtype) * kl
     if rewards is not None:
         reward = rewards.reshape(-1).to(kl.dtype) + reward
-    if scores is not None and kl.numel():  # N == 0 (e.g. [B, 0, V]): nothing to add the scores to
-        positions = torch.arange(kl.numel(), device=kl.device)
-        last = torch.full((num_seqs,), -1, dtype=torch.long, device=kl.device).scatter_reduce(
-            0, seq_index, torch.where(scored > 0, positions, -1), reduce="amax", include_self=True)
+    if scores is not None:
         bonus = scores.reshape(-1).to(kl.dtype)
         if score_clip is not None:
             bonus = bonus.clamp(-score_clip, score_clip)
-        # A sequence without a scored position (last == -1) adds 0 at position 0.
-        reward = reward.index_add(0, last.clamp(min=0), torch.where(last >= 0, bonus, torch.zeros_like(bonus)))
+        # the last scored position of each sequence (on whichever rank holds it) gets the score
+        last = sequences.last(scored)
+        reward = reward + torch.where(last, bonus[sequences.seq_index], torch.zeros_like(reward))
     return reward, kl_per_seq
 
 
@@ -111,6 +106,7 @@ def fused_kl_reward(
     process_group=None,
     vocab_start: Optional[int] = None,
     truncation=None,
+    sequence_group=None,
 ) -> KLReward:
     """KL-shaped per-token rewards: ``reward = rewards - coef * kl`` plus the clipped sequence score
     at the last scored position of each sequence.
@@ -126,6 +122,12 @@ def fused_kl_reward(
             outside the kept set (``logprobs = -inf``: the engine could not have sampled it from these logits)
             gets ``kl = 0``: its reward is the given ``rewards`` (and the score), never an infinite penalty, and
             no other position changes.
+        sequence_group: context parallel, as in ``token_logprobs``: each rank holds a contiguous slice of every
+            sequence (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``). The per-token
+            outputs are this rank's positions'; ``kl_per_seq`` is the whole sequences' on every rank (one all-reduce
+            of ``2 num_seqs`` values), and each score is added at its sequence's last scored position on the rank
+            that holds it (one all-reduce of ``num_seqs`` int64). ``kl_per_seq``'s gradient is that of a function
+            computed alike on every rank (it reaches each rank's own positions, no collective in the backward).
 
     Sequences are the rows of a ``[B, T]`` layout, the segments of ``cu_seqlens``, or the whole
     flat ``[N]`` layout.
@@ -138,7 +140,7 @@ def fused_kl_reward(
     """
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
+                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True, sequence_group=sequence_group)
     estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
     layout = call.layout
@@ -149,7 +151,7 @@ def fused_kl_reward(
     kl, logp, ref_logp = kl_of_call(call, estimator, kl_clamp)
     if call.truncation is not None:
         kl = torch.where(logp == float("-inf"), torch.zeros_like(kl), kl)
-    reward, kl_per_seq = shape_rewards(kl, layout.target, layout.seq_index, layout.num_seqs, coef,
-                                       rewards, scores, score_clip)
+    sequences = Sequences(layout.seq_index, layout.num_seqs, group=call.sequence_group, position=layout.position)
+    reward, kl_per_seq = shape_rewards(kl, layout.target, sequences, coef, rewards, scores, score_clip)
     shape = layout.shape
     return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)

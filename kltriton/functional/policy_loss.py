@@ -17,7 +17,7 @@ import torch
 
 from kltriton import estimators, route
 from kltriton._inputs import check_float, runtime_scalar
-from kltriton.front_door import Call, enter, local_rows
+from kltriton.front_door import Call, check_group, enter, local_rows
 from kltriton.kernels import SKIP, accumulation_dtype, statistics
 from kltriton.kernels.loss import LossInputs, terms, weights
 from kltriton.kernels.loss.weights import AGGREGATIONS, IS_MODES, Sequences
@@ -49,6 +49,7 @@ class _Loss(NamedTuple):
     compute_entropy: bool
     quantile: Optional[float]          # TRL's entropy mask
     all_sequences: bool                # seq-mean over every sequence, empty ones too (TRL's .mean())
+    quantile_group: object = None      # the ranks whose scored tokens the entropy mask's quantile is over
 
 
 class _Sampling(NamedTuple):
@@ -172,9 +173,10 @@ def _sequences(call: Call, loss: _Loss, cu_seqlens, batch_num_tokens, global_bat
         num_seqs_agg = runtime_scalar(max(layout.num_seqs, 1), device)
     horizon = check_float("horizon", loss.settings.horizon, above=0.0, allow_none=True)
     horizon = runtime_scalar(horizon, device) if horizon is not None else weights.default_horizon(
-        layout.shape, cu_seqlens, device)
+        layout.shape, cu_seqlens, device, call.split)
     return Sequences(layout.seq_index, layout.num_seqs, horizon,
-                     _denominator("batch_num_tokens", batch_num_tokens, device), num_seqs_agg)
+                     _denominator("batch_num_tokens", batch_num_tokens, device), num_seqs_agg,
+                     call.sequence_group, layout.position)
 
 
 # --- the two routes -----------------------------------------------------------------------------
@@ -186,21 +188,27 @@ class _Aggregations(NamedTuple):
     entropy: Optional[str]         # the entropy bonus's over the local tokens (TRL), else the policy term's
     geo_mean: bool                 # geo_mean's policy term: seq-mean over the local sequences (verl's torch.mean)
 
-    def weights(self, rows, sequences: Sequences, dtype):
-        """``(every, pg)``: the ``[N]`` weights of every term and of the policy term over ``rows``."""
-        every = weights.aggregation_weights(self.every, rows, sequences, dtype)
+    def counted(self, rows, sequences: Sequences, dtype) -> Optional[weights.RowCounts]:
+        """``rows`` counted (one all-reduce under a sequence group) when an aggregation needs the counts."""
+        modes = {self.every, self.pg or self.every, self.entropy or self.every}
+        return None if modes == {"token-sum"} else weights.row_counts(rows, sequences, dtype)
+
+    def weights(self, rows, sequences: Sequences, dtype, counts):
+        """``(every, pg)``: the ``[N]`` weights of every term and of the policy term over ``rows`` (``counts``:
+        ``counted(rows)``)."""
+        every = weights.aggregation_weights(self.every, rows, sequences, dtype, counts=counts)
         if self.pg is None:
             return every, every
         pg_sequences = sequences._replace(num_seqs_agg=runtime_scalar(max(sequences.num_seqs, 1),
                                                                       rows.device)) if self.geo_mean else sequences
-        return every, weights.aggregation_weights(self.pg, rows, pg_sequences, dtype)
+        return every, weights.aggregation_weights(self.pg, rows, pg_sequences, dtype, counts=counts)
 
-    def entropy_weights(self, scored, keep, sequences: Sequences, dtype):
-        """The entropy bonus's ``[N]`` weights, over the kept rows with the entropy mask (TRL)."""
+    def entropy_weights(self, rows, sequences: Sequences, dtype, counts):
+        """The entropy bonus's ``[N]`` weights over ``rows`` (the kept rows with the entropy mask, TRL)."""
         if self.entropy is None:
-            return weights.aggregation_weights(self.every, scored if keep is None else keep, sequences, dtype)
-        return weights.aggregation_weights(self.entropy, scored if keep is None else keep, sequences, dtype,
-                                           own_denominators=False)
+            return weights.aggregation_weights(self.every, rows, sequences, dtype, counts=counts)
+        return weights.aggregation_weights(self.entropy, rows, sequences, dtype, own_denominators=False,
+                                           counts=counts)
 
 
 class _Rows(NamedTuple):
@@ -222,6 +230,7 @@ class _Result(NamedTuple):
     threshold: Optional[torch.Tensor]
     importance: Optional[weights.ImportanceWeights]
     loss: Optional[torch.Tensor]       # the fused route's loss (None: the formulas give it)
+    counts: Optional[weights.RowCounts]  # the scored rows counted, when the route counted them
 
 
 def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregations, sequences, acc) -> _Result:
@@ -231,9 +240,10 @@ def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregatio
         importance = weights.importance_weights(rows.old, sampling.rollout, sampling.is_mode, sampling.is_cap,
                                                 sampling.is_min, rows.scored, sequences)
         pg_weight = pg_weight * importance.weights
-    agg_w, agg_pg = aggregations.weights(rows.scored, sequences, acc)
-    w_ent = aggregations.entropy_weights(rows.scored, None, sequences, acc) * runtime_scalar(-loss.entropy_coef,
-                                                                                               call.device).to(acc)
+    counts = aggregations.counted(rows.scored, sequences, acc)
+    agg_w, agg_pg = aggregations.weights(rows.scored, sequences, acc, counts)
+    w_ent = aggregations.entropy_weights(rows.scored, sequences, acc, counts) * runtime_scalar(-loss.entropy_coef,
+                                                                                                 call.device).to(acc)
     w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
     inputs = LossInputs(rows.old, rows.adv, agg_pg * pg_weight, w_kl, w_ent, rows.ref_logp)
     value, stats, threshold = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
@@ -241,7 +251,7 @@ def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregatio
                                                with_entropy=loss.compute_entropy, entropy_quantile=loss.quantile)
     keep = None if loss.quantile is None else rows.scored & (stats.entropy >= threshold)
     pg_weight = pg_weight if keep is None else pg_weight * keep.to(acc)
-    return _Result(stats, rows.scored, None, pg_weight, keep, threshold, importance, value)
+    return _Result(stats, rows.scored, None, pg_weight, keep, threshold, importance, value, counts)
 
 
 def _two_pass(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, sequences, acc) -> _Result:
@@ -272,9 +282,9 @@ def _two_pass(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, sequenc
         pg_weight = pg_weight * weights.off_policy_keep(rows.adv, logp, behaviour, sampling.off_policy, scored,
                                                         sequences).to(acc)
     if loss.quantile is not None:
-        keep, threshold = terms.entropy_keep(stats.entropy.detach(), scored, loss.quantile)
+        keep, threshold = terms.entropy_keep(stats.entropy.detach(), scored, loss.quantile, loss.quantile_group)
         pg_weight = pg_weight * keep.to(acc)
-    return _Result(stats, scored, outside, pg_weight, keep, threshold, importance, None)
+    return _Result(stats, scored, outside, pg_weight, keep, threshold, importance, None, None)
 
 
 def _rows(call: Call, loss: _Loss, sampling: _Sampling, advantages, rollout_is_weights, acc) -> _Rows:
@@ -300,8 +310,7 @@ def _rows(call: Call, loss: _Loss, sampling: _Sampling, advantages, rollout_is_w
 
 def _sequences_of(call: Call) -> Sequences:
     """The rows' sequences alone (geo_mean's per-sequence mean needs no denominators)."""
-    zero = torch.zeros((), dtype=torch.float64, device=call.device)
-    return Sequences(call.layout.seq_index, call.layout.num_seqs, zero, None, None)
+    return Sequences(call.layout.seq_index, call.layout.num_seqs, group=call.sequence_group)
 
 
 # --- the output ---------------------------------------------------------------------------------
@@ -311,8 +320,11 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
     stats, scored, outside = result.stats, result.scored, result.outside
     logp = stats.logp
     entropy = stats.entropy if loss.compute_entropy else torch.zeros_like(logp)
-    agg_w, agg_pg = aggregations.weights(scored, sequences, acc)
-    ent_agg = aggregations.entropy_weights(scored, result.keep, sequences, acc)
+    counts = result.counts if result.counts is not None else aggregations.counted(scored, sequences, acc)
+    agg_w, agg_pg = aggregations.weights(scored, sequences, acc, counts)
+    entropy_rows = scored if result.keep is None else result.keep
+    ent_agg = aggregations.entropy_weights(entropy_rows, sequences, acc, counts if result.keep is None else
+                                           aggregations.counted(entropy_rows, sequences, acc))
     w_pg = agg_pg * result.pg_weight
     w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
     ref_logp = stats.ref_logp if call.ref is not None else (
@@ -325,7 +337,7 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
     exact_kl = loss.estimator is not None and loss.estimator.needs_ref_logits
     token = terms.token_terms(loss.formula, loss.estimator, logp, ref_logp, stats.full_kl if exact_kl else None, rows.old,
                               rows.adv, loss.hyperparameters, scored, sequences.seq_index, sequences.num_seqs, level=loss.level,
-                              log_is=rows.log_is)
+                              log_is=rows.log_is, sequence_group=sequences.group)
     if outside is not None:
         zero = torch.zeros_like(token.ratio)
         token = token._replace(ratio=torch.where(outside, zero, token.ratio), kl=torch.where(outside, zero, token.kl))
@@ -333,20 +345,25 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
     if value is None:
         w_ent = ent_agg * runtime_scalar(-loss.entropy_coef, call.device).to(acc)
         value = terms.objective(token, entropy, w_pg, w_kl, w_ent).sum()
-    extra = {"pg_loss": (w_pg * token.pg).sum(), "kl_loss": (agg_w * token.kl).sum(),
-             "entropy_loss": (ent_agg * entropy).sum()}
+    # the whole batch's loss on every rank (under a sequence group), its gradient that of the whole loss
+    value = sequences.across(value, replicated=True)
+    # metrics: sums over the rows (of every rank under a sequence group), or given as they are
+    sums = {"pg_loss": ((w_pg * token.pg).sum(), None), "kl_loss": ((agg_w * token.kl).sum(), None),
+            "entropy_loss": ((ent_agg * entropy).sum(), None)}
+    given = {}
     if loss.quantile is not None:
-        extra["entropy_threshold"] = result.threshold.float().reshape(())
+        given["entropy_threshold"] = result.threshold.float().reshape(())
     if token.seq_weight is not None:  # TRL's vespo/phi_seq_mean: over the sequences with per-sequence advantages
         if per_sequence_adv:  # phi is the same on every row of a sequence (1 for a sequence without rows)
-            phi = token.seq_weight.new_ones(sequences.num_seqs).scatter(0, sequences.seq_index, token.seq_weight)
-            extra["vespo_phi_mean"] = phi.float().mean() if sequences.num_seqs else phi.float().sum()
+            phi = sequences.of_each(token.seq_weight, 1.0)
+            given["vespo_phi_mean"] = phi.float().mean() if sequences.num_seqs else phi.float().sum()
         else:
-            extra["vespo_phi_mean"] = weights.masked_mean(token.seq_weight.float(), scored,
-                                                          scored.float().sum().clamp(min=1))
+            seq_weight = token.seq_weight.float()
+            sums["vespo_phi_mean"] = (torch.where(scored, seq_weight, torch.zeros_like(seq_weight)).sum(),
+                                      scored.float().sum())
     if outside is not None:
-        extra["outside_support_frac"] = outside.float().sum() / (scored | outside).float().sum().clamp(min=1)
-    metrics = weights.metrics(token, scored, entropy, result.importance, extra)
+        sums["outside_support_frac"] = (outside.float().sum(), (scored | outside).float().sum())
+    metrics = weights.metrics(token, scored, entropy, result.importance, sums, given, sequences)
     view = lambda t: t.detach().float().view(call.layout.shape)  # noqa: E731
     return PolicyLossOutput(value, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
                             view(token.ratio), metrics)
@@ -395,6 +412,8 @@ def policy_loss(
     global_batch_size=None,
     compute_entropy: bool = True,
     truncation=None,
+    sequence_group=None,
+    entropy_quantile_group=None,
     **loss_parameters,
 ) -> PolicyLossOutput:
     """The policy loss ``agg(pg * weights) + kl_coef * agg(kl) - entropy_coef * agg(entropy)``.
@@ -467,6 +486,24 @@ def policy_loss(
             outside the kept set (log-prob ``-inf``) is dropped from the loss and the metrics, as a masked
             position is (its ``logprobs`` output stays ``-inf``, its ``ratio`` and ``kl`` are 0); the share of
             such positions among the scored ones is ``metrics["outside_support_frac"]``. No other position changes.
+        sequence_group: context parallel: a ``torch.distributed`` group whose ranks each hold a contiguous slice of
+            every sequence, in rank order (``[B, T_r]``, uneven allowed, or ``[N_r]`` of the packed stream with the
+            global ``cu_seqlens``), with every per-position input (labels, mask, advantages ``S``, old / rollout /
+            reference log-probs) sliced alike and per-sequence ones (``[num_seqs]`` advantages) whole. Every rank
+            gets the loss of the whole batch (the same value) and the metrics of the whole batch; the per-token
+            outputs are this rank's positions'. The gradient w.r.t. this rank's logits (or hidden states) is that of
+            the global loss: call ``backward()`` on every rank, and the parameter gradient of the global loss is the
+            sum of the ranks' (all-reduce parameter gradients with SUM over the group; a data-parallel wrapper that
+            averages over a group containing it: multiply the loss by the group's size). Every sequence-level
+            quantity (sequence ratios, ``seq-mean-*`` and token-mean counts, sequence IS, the off-policy mask,
+            VESPO's and geo_mean's weights, the default horizon) is one all-reduce over the group; the entropy
+            mask's quantile is over every rank's tokens. Not with ``clip_cov`` / ``kl_cov`` (batch selections). A
+            DTensor split on the sequence dimension (``Shard(1)`` of ``[B, T, V]``) is the same. See
+            ``docs/api/context_parallel.md``.
+        entropy_quantile_group: the ranks whose scored tokens ``token_mask_entropy_quantile``'s quantile is over
+            (TRL's ``top_entropy_quantile`` on several processes: the data-parallel group); the rest of the loss
+            stays this rank's. Default: the ``sequence_group`` (the batch), else this rank's tokens. The quantile
+            gathers the scored entropies (two all-gathers, a host sync) and takes the two-pass route.
 
     Returns:
         ``PolicyLossOutput(loss, logprobs, ref_logprobs, kl, entropy, ratio, metrics)``: ``loss`` 0-dim,
@@ -478,12 +515,19 @@ def policy_loss(
     """
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True)
+                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True, sequence_group=sequence_group)
     loss = _loss(call, loss_type, loss_parameters, dict(aggregation=aggregation, dual_clip=dual_clip,
                                                         log_ratio_clamp=log_ratio_clamp, horizon=horizon),
                  importance_sampling_level, (clip_low, clip_high),
                  (kl_coef, kl_estimator, kl_clamp, use_bias_correction_kl),
                  (entropy_coef, compute_entropy, token_mask_entropy_quantile))
+    if call.sequence_group is not None and loss.formula in terms.BATCH:
+        raise ValueError(f"loss_type={loss_type!r} selects tokens over the whole batch (its covariance), which a "
+                         "sequence_group does not take: gather the sequences on every rank first")
+    if entropy_quantile_group is not None:
+        check_group(entropy_quantile_group, "entropy_quantile_group")
+    loss = loss._replace(quantile_group=call.sequence_group if entropy_quantile_group is None
+                         else entropy_quantile_group)
     _check_choice("entropy_aggregation", entropy_aggregation, AGGREGATIONS)
     _check_choice("pg_aggregation", pg_aggregation, AGGREGATIONS)
     aggregations = _Aggregations(loss.settings.aggregation, pg_aggregation, entropy_aggregation,
@@ -495,7 +539,8 @@ def policy_loss(
     sequences = _sequences(call, loss, cu_seqlens, batch_num_tokens, global_batch_size)
     rows = _rows(call, loss, sampling, advantages, rollout_is_weights, acc)
     whole_sequences = (loss.level == "sequence" or (rows.old is None and sampling.rollout is not None)
-                       or sampling.off_policy is not None or (loss.quantile is not None and loss.entropy_coef != 0.0))
+                       or sampling.off_policy is not None or (loss.quantile is not None and loss.entropy_coef != 0.0)
+                       or (loss.quantile is not None and loss.quantile_group is not None))
     if route.loss_route(call, loss.formula, whole_sequences) == "fused":
         result = _fused(call, loss, sampling, rows, aggregations, sequences, acc)
     else:

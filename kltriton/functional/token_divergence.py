@@ -15,6 +15,7 @@ from kltriton import route
 from kltriton._inputs import check_float, host_checks, runtime_scalar
 from kltriton.front_door import enter
 from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
+from kltriton.kernels.loss.weights import Sequences
 from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -27,13 +28,14 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _weights(reduction, scored, vocab, dtype):
+def _weights(reduction, scored, vocab, dtype, sequences: Sequences):
     """``[N]`` weights with ``loss = sum_n w_n D_n`` (TRL GKD's reductions over the scored positions): ``"sum"`` 1,
-    ``"batchmean"`` 1 / count, ``"mean"`` 1 / (count * V) (TRL's ``mean`` is over the ``[count, V]`` elements)."""
+    ``"batchmean"`` 1 / count, ``"mean"`` 1 / (count * V) (TRL's ``mean`` is over the ``[count, V]`` elements); the
+    count over every rank of a sequence group (``sequences``)."""
     valid = scored.to(dtype)
     if reduction == "sum":
         return valid
-    count = valid.sum().clamp(min=1)
+    count = sequences.total(valid).clamp(min=1)
     return valid / count if reduction == "batchmean" else valid / (count * vocab)
 
 
@@ -126,6 +128,7 @@ def token_divergence(
     backend: Optional[str] = None,
     process_group=None,
     vocab_start: Optional[int] = None,
+    sequence_group=None,
 ):
     """Per-token divergence between the student's and the teacher's next-token distributions (distillation).
 
@@ -160,6 +163,10 @@ def token_divergence(
         process_group, vocab_start: vocab-parallel student and teacher (logits shards or ``LinearLogits`` weight
             shards; ``TopK`` ids are global), as in ``token_kl``: ``O(N)`` values exchanged per rank and pass (the JSD
             pass one more all-reduce of two per row, a ``TopK`` teacher ``K`` per row).
+        sequence_group: context parallel, as in ``token_logprobs``: each rank holds a contiguous slice of the
+            sequence dimension of the student and the teacher. ``reduction="none"``: this rank's positions; a
+            reduction: the whole batch's loss on every rank (its count one all-reduce, the sum one more), whose
+            gradient w.r.t. this rank's student is that of the whole loss (as ``policy_loss``'s).
 
     Returns:
         fp32 ``S`` (0 where not scored, NaN where the label is out of range with validation off) for
@@ -175,14 +182,16 @@ def token_divergence(
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     call = enter(student, labels, ref=teacher, ref_forms=("logits", "topk"), names=("student", "teacher"),
                  temperature=temperature, ignore_index=ignore_index, mask=mask, cu_seqlens=cu_seqlens,
-                 shift_labels=shift_labels, backend=backend, process_group=process_group, vocab_start=vocab_start)
+                 shift_labels=shift_labels, backend=backend, process_group=process_group, vocab_start=vocab_start,
+                 sequence_group=sequence_group)
     kind = divergence
     if divergence == "jsd" and beta in (0.0, 1.0):  # TRL's beta = 0 / 1: exactly the forward / reverse KL
         kind = "forward_kl" if beta == 0.0 else "reverse_kl"
     target, shape = call.layout.target, call.layout.shape
     scored = target != SKIP
     acc = accumulation_dtype(call.dtype)
-    weight = None if reduction == "none" else _weights(reduction, scored, call.vocab, acc)
+    sequences = Sequences(call.layout.seq_index, call.layout.num_seqs, group=call.sequence_group)
+    weight = None if reduction == "none" else _weights(reduction, scored, call.vocab, acc, sequences)
     beta_t = runtime_scalar(beta, call.device)
 
     if call.topk is not None:
@@ -198,5 +207,7 @@ def token_divergence(
     else:
         value, entropy = route.divergence(call, kind, beta_t, return_entropy)
         loss = None if weight is None else (weight * value).sum()
+    if loss is not None:  # the whole batch's loss on every rank (under a sequence group)
+        loss = sequences.across(loss, replicated=True)
     out = value.view(shape) if loss is None else loss
     return (out, entropy.detach().view(shape)) if return_entropy else out

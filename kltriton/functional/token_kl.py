@@ -61,6 +61,7 @@ def token_kl(
     process_group=None,
     vocab_start: Optional[int] = None,
     truncation=None,
+    sequence_group=None,
 ) -> KLOutput:
     """Per-token KL of the policy against a reference at the labelled tokens.
 
@@ -88,6 +89,8 @@ def token_kl(
         truncation: a ``kltriton.Truncation`` for the policy side (the reference stays untruncated), as in
             ``token_logprobs``; where the label is outside the kept set the KL is ``-inf`` (k1) or ``+inf``.
             Not with ``"full"``.
+        sequence_group: context parallel, as in ``token_logprobs``: each rank holds a contiguous slice of the
+            sequence dimension (of the policy and the reference alike) and gets its positions' values.
 
     Returns:
         ``KLOutput(kl, logprobs, ref_logprobs)``, each fp32 ``S``, 0 where not scored.
@@ -95,7 +98,7 @@ def token_kl(
     """
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation)
+                 vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
     kl, logp, ref_logp = kl_of_call(call, estimator, estimators.check_kl_clamp(kl_clamp))
     shape = call.layout.shape

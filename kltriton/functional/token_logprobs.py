@@ -20,6 +20,7 @@ def token_logprobs(
     process_group=None,
     vocab_start: Optional[int] = None,
     truncation=None,
+    sequence_group=None,
 ):
     """Log-probability of ``labels`` under ``softmax(logits / temperature)``, without ``[N, V]`` temporaries.
 
@@ -46,6 +47,13 @@ def token_logprobs(
             engine sampled from, restricted to its kept set (top-k / top-p / min-p recomputed from these
             logits, or the engine's kept ids replayed): ``-inf`` where the label is outside the kept set (no
             gradient there), gradients zero outside the kept set. See ``docs/api/truncation.md``.
+        sequence_group: a ``torch.distributed`` group whose ranks each hold a contiguous slice of the sequence
+            dimension, in rank order (context parallel): ``[B, T_r]`` slices of a ``[B, T]`` batch (uneven allowed),
+            or ``[N_r]`` slices of the packed token stream with ``cu_seqlens`` the global offsets (the same on every
+            rank). Every rank gets the values of its own positions, equal to the unsplit call's; with
+            ``shift_labels`` the last position's label and mask come from the next rank's slice (one all-gather of
+            ``2 B`` int64 per rank), and learning the slice's start is one all-gather of 3 int64. A DTensor split on
+            the sequence dimension (``Shard(1)`` of ``[B, T, V]``) is the same. See ``docs/api/context_parallel.md``.
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
@@ -54,7 +62,7 @@ def token_logprobs(
     """
     call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation)
+                 vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     request = statistics.request(entropy=bool(return_entropy))
     stats = route.statistics(call, request)
     logp = stats.logp.view(call.layout.shape)

@@ -7,8 +7,11 @@ distillation trainers their divergence.
 Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
 wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
 gather, unshard and reduce the head as in the model's own forward; frozen heads (the reference, the teacher) are
-gathered copies (``kltriton.heads.lm_head_logits``). Tensor-parallel heads keep TRL's code, with a log line, until
-kltriton's DTensor front door serves them (``_tensor_parallel_head``).
+gathered copies (``kltriton.heads.lm_head_logits``). Tensor-parallel heads (transformers' ``tp_plan``, torch's
+``parallelize_module`` with ``ColwiseParallel`` on ``lm_head``: a ``Shard(0)`` ``DTensor`` weight) are scored
+vocab-parallel by kltriton's DTensor front door, the hidden states as a ``Replicate`` ``DTensor``: no logits, not even
+a vocabulary shard's, and no full-vocabulary gather. FSDP2 and tensor parallelism together (a 2-D mesh): inside the
+head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, scored the same way.
 
 
 - ``add_fused_lm_head``, which ``GRPOTrainer.__init__`` calls on the policy and the reference model:
@@ -16,14 +19,14 @@ kltriton's DTensor front door serves them (``_tensor_parallel_head``).
   scored positions and scores them with ``kltriton.token_logprobs`` (log-probs and entropy in one pass).
   So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
   again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
-  log-probs and entropy, a PEFT adapter on the head, a tensor-parallel head) keep TRL's head, with a log line.
+  log-probs and entropy, a PEFT adapter on the head) keep TRL's head, with a log line.
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
-  importance-sampling correction map onto it. TRL's own ``_compute_loss`` runs (on kltriton's log-probs) only
-  for a model kltriton's head does not serve (MoE router losses, multimodal inputs) and for
-  ``top_entropy_quantile < 1`` on several processes (TRL's threshold is a quantile over every rank's tokens,
-  ``policy_loss``'s over the local batch), with one log line per reason. The loss is computed inside the
+  importance-sampling correction map onto it; on several processes the entropy mask's quantile is over every
+  data-parallel process's tokens, as TRL's (``entropy_quantile_group``: ``data_parallel_group``). TRL's own
+  ``_compute_loss`` runs (on kltriton's log-probs) only for a model kltriton's head does not serve (MoE router
+  losses, multimodal inputs), with one log line per reason. The loss is computed inside the
   model's forward: the patched forward gets it as a function (``fused_lm_head=<callable>``) and returns
   ``kltriton.policy_loss``'s output.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
@@ -40,13 +43,13 @@ Distillation (``kltriton.token_divergence`` from the models' hidden states, neve
   with the student's gradient written in the forward; each model runs through its wrapper's forward. Under data
   parallelism the loss is scaled by the ranks as transformers' ``Trainer.compute_loss`` scales it (TRL's override
   does not). TRL's own ``compute_loss`` runs, with a log line, where the caller wants the student's outputs
-  (``return_outputs=True``), for MoE models, tensor-parallel heads or multimodal inputs.
+  (``return_outputs=True``), for MoE models or multimodal inputs.
 - ``GKDTrainer.generalized_jsd_loss``: the same function on logits; ``reduction="none"`` (TRL returns the
   elementwise ``[M, V]`` terms) runs TRL's own code, with a log line.
 - ``trl.trainer.distillation_trainer._chunked_divergence_loss`` (``DistillationTrainer``'s loss): the same signature
   and results (loss, the student's entropy sum, the scored count). ``DistillationTrainer._compute_loss`` (TRL's,
-  wrapped) hands it the two models, whose heads are then read through them; TRL's own for tensor-parallel heads
-  and for ``DTensor`` heads passed without their models.
+  wrapped) hands it the two models, whose heads are then read through them; TRL's own for ``DTensor`` heads
+  passed without their models (a tensor-parallel head and an FSDP2 shard look alike without the model).
 
 A function rather than a trainer subclass: it also works for trainers built by TRL's CLI and for
 users' own ``GRPOTrainer`` subclasses. Nothing is imported before ``apply()`` is called.
@@ -204,13 +207,6 @@ def _head_scaling(model):
     return head_scaling(model.config)
 
 
-def _tensor_parallel_head(model) -> bool:
-    """A ``DTensor`` head no FSDP2 unit owns (transformers ``tp_plan``, torch ``parallelize_module``): it needs
-    kltriton's DTensor front door (vocab-parallel), which this integration does not route to yet."""
-    model = heads.unwrap_model(model)
-    return heads._tensor_parallel(model, model.get_output_embeddings())
-
-
 def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, outputs):
     """Wrap the ``forward`` TRL's ``add_fused_lm_head`` installed with one that scores through kltriton.
 
@@ -229,7 +225,7 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
 
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):
-        if not patch.active or fused_lm_head is False or _tensor_parallel_head(self):
+        if not patch.active or fused_lm_head is False:
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
@@ -289,12 +285,25 @@ def _why_trl_loss(trainer, inputs) -> Optional[str]:
         (trainer.aux_loss_enabled, "the MoE aux loss is on (the router logits come from TRL's forward)"),
         (any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS), "the inputs are multimodal"),
         (not hasattr(model, "_kltriton_head_scaling"), "the model kept TRL's fused LM head"),
-        (_tensor_parallel_head(model), "the LM head is tensor parallel"),
-        (trainer.top_entropy_quantile < 1.0 and trainer.accelerator.num_processes > 1,
-         "top_entropy_quantile < 1 on several processes: TRL's entropy threshold is the quantile over every rank's "
-         "tokens, kltriton.policy_loss's over the local batch"),
     ]
     return next((reason for failed, reason in checks if failed), None)
+
+
+def data_parallel_group(accelerator):
+    """The process group over which a trainer's processes hold different data (TRL gathers its entropy quantile
+    over them), or ``None`` for one: every process without tensor parallelism; under accelerate's
+    ``ParallelismConfig`` with ``tp_size`` the ranks of one tensor-parallel group hold one batch, the data-parallel
+    group is the mesh's ``"dp"`` dimension (``None`` when only tensor parallelism is on)."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1:
+        return None
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or not config.tp_enabled:
+        return dist.group.WORLD
+    if accelerator.num_processes == config.tp_size:
+        return None
+    return accelerator.torch_device_mesh["dp"].get_group()
 
 
 def _mode_and_accumulation(trainer):
@@ -352,6 +361,9 @@ def policy_loss_arguments(trainer, inputs) -> dict:
                       use_bias_correction_kl=args.use_bias_correction_kl)
     if trainer.top_entropy_quantile < 1.0:
         kwargs["token_mask_entropy_quantile"] = 1 - trainer.top_entropy_quantile
+        group = data_parallel_group(trainer.accelerator)
+        if group is not None:  # TRL's threshold: the quantile over every data-parallel process's tokens
+            kwargs["entropy_quantile_group"] = group
     if trainer.off_policy_mask_threshold is not None:
         kwargs["off_policy_mask_threshold"] = trainer.off_policy_mask_threshold
         if inputs.get("sampling_per_token_logps") is not None:
@@ -528,14 +540,11 @@ def _install_distillation(patch: Patch) -> None:
         models = _distillation_models.get()
         if models is not None and all(a is b for a, b in zip(_heads_of(models), (student_lm_head_weight,
                                                                                  teacher_lm_head_weight))):
-            if any(_tensor_parallel_head(m) for m in models):
-                _log_once("DistillationTrainer loss: TRL's own chunked kernels, because an LM head is tensor parallel")
-            else:
-                _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from "
-                          "the hidden states, the LM heads read in their modules' forwards")
-                student, teacher = models
-                return _divergence_through_heads(student, teacher, student_hidden_states, teacher_hidden_states,
-                                                 completion_mask, beta, num_items_in_batch, temperature)
+            _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from "
+                      "the hidden states, the LM heads read in their modules' forwards")
+            student, teacher = models
+            return _divergence_through_heads(student, teacher, student_hidden_states, teacher_hidden_states,
+                                             completion_mask, beta, num_items_in_batch, temperature)
         args = (student_hidden_states, teacher_hidden_states, student_lm_head_weight, teacher_lm_head_weight,
                 completion_mask, beta, num_items_in_batch, student_lm_head_bias, teacher_lm_head_bias,
                 student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
@@ -595,8 +604,6 @@ def _why_trl_gkd(trainer, model, inputs, return_outputs) -> Optional[str]:
         head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
         if head is None or not hasattr(m, "base_model"):
             return f"the {name} model has no LM head and backbone to read hidden states from"
-        if _tensor_parallel_head(m):
-            return f"the {name}'s LM head is tensor parallel"
         if isinstance(_head_scaling(m), str):
             return f"the {name}: {_head_scaling(m)}"
     if any(inputs.get(k) is not None for k in _MULTIMODAL_INPUTS):

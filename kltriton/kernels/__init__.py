@@ -3,8 +3,9 @@
 A *family* is a contract: the functions a backend implements for one kind of kernel, with shapes and
 semantics, written in ``kltriton/kernels/<family>/__init__.py``. Each backend implements it in
 ``kltriton/kernels/<family>/<backend>.py`` (``reference``, ``triton``, ``cpp``); a backend without that file
-does not run the family. ``kltriton.dispatch`` resolves ``(family, backend)`` to that module; the custom ops
-in ``kltriton/ops/`` are the only callers.
+does not run the family. ``kltriton.dispatch`` resolves ``(family, backend)`` to that module (the ``linear``
+family it composes from the backend's ``stream``, ``loss`` and ``divergence`` modules); the custom ops in
+``kltriton/ops/`` are the only callers.
 
 Every family takes the per-row ``target`` of ``kltriton.kernels.constants`` (a label, ``SKIP`` or
 ``OUT_OF_RANGE``), built from labels / masks / packed layouts by ``kltriton._inputs``.
@@ -18,6 +19,7 @@ Families:
 | ``loss``   | a policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
 | ``invariant`` | the ``stream`` family's log-prob, log-sum-exp and entropy from row maxima and int64 fixed-point sums, independent of how the vocabulary is cut (``kltriton.set_invariant``) |
 | ``divergence`` | the generalized JSD's second pass over a student and a teacher row (after both log-sum-exps) and its gradient; a divergence loss with its gradient in the forward |
+| ``truncation`` | the kept set of each row (top-k / top-p / min-p recomputed from the row, or the engine's ids replayed) and the statistics of the row restricted to it, and their gradient |
 
 Shared by the families: ``constants.py`` (the one table of values shared with the C++ and Triton code),
 ``statistics.py`` (the per-row statistics, declared once: bundle, merge, gradient basis), ``triton_rows.py``

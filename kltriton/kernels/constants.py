@@ -15,16 +15,29 @@ OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off):
 # A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
 ENTROPY, REF, FULL_KL = 1, 2, 4
 FORWARD_KL = 8  # KL(q || p) of the reference (a distillation teacher) against the policy (the student)
-# The statistics in the order of every bundle (``StreamStats``, the C++ ops' output lists), with the
-# request bit that asks for each.
+NEEDS_REF = REF | FULL_KL | FORWARD_KL  # the request bits that read the reference logits
+# The statistics in the order of every bundle (``StreamStats``; the kernels' stacked ``[NUM_STATS, N]`` outputs,
+# indexed by position here), with the request bit that asks for each.
 STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),
               ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL))
-# The stream backward's gradient, per row, on this basis (each coefficient already divided by T):
+# The stream backward's gradient, per row, on this basis (each coefficient already divided by T; the kernels take
+# the coefficients as one stacked ``[len(GRADIENT_BASIS), N]`` tensor, indexed by position here):
 #   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q
 GRADIENT_BASIS = ("label", "p", "p_logp", "p_logq", "q")
-# Backward variants: which optional basis terms a kernel evaluates (label and p always).
-P_LOGP, P_LOGQ = 1, 2
-Q = 4  # the reference's probabilities (the forward KL's gradient p - q)
+# Backward variants: which optional basis terms (those after label and p) a kernel evaluates, one bit each in
+# GRADIENT_BASIS order.
+BASIS_BITS = {term: 1 << i for i, term in enumerate(GRADIENT_BASIS[2:])}
+P_LOGP, P_LOGQ = BASIS_BITS["p_logp"], BASIS_BITS["p_logq"]
+Q = BASIS_BITS["q"]  # the reference's probabilities (the forward KL's gradient p - q)
+BASIS_NEEDS_REF = P_LOGQ | Q  # the basis terms that read the reference logits
+
+
+def request_bits() -> int:
+    """All request bits together."""
+    bits = 0
+    for _, bit in STATISTICS:
+        bits |= bit
+    return bits
 
 # --- order-independent sums ----------------------------------------------------------------------------
 # A sum of values in [0, 1] (exp(z - max) of a row) as int64 in units of 2^-FIXED_POINT_BITS, each term truncated
@@ -64,16 +77,19 @@ CPP_LINK_FLAGS = ("-fopenmp",)
 
 def cpp_defines() -> list:
     """This table as ``-D`` flags: ``KLTRITON_SKIP``, ``KLTRITON_STAT_<NAME>`` (index),
-    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit) and ``KLTRITON_NUM_STATS``, the request and basis bits,
-    ``KLTRITON_HP_<NAME>`` (slot) and ``KLTRITON_NUM_HP``, ``KLTRITON_FIXED_POINT_BITS``."""
+    ``KLTRITON_STAT_<NAME>_REQUEST`` (bit), ``KLTRITON_NUM_STATS``, ``KLTRITON_REQUEST_LIMIT`` and
+    ``KLTRITON_NEEDS_REF``; ``KLTRITON_BASIS_<TERM>`` (index), ``KLTRITON_BASIS_<TERM>_BIT`` (optional terms),
+    ``KLTRITON_NUM_BASIS``, ``KLTRITON_BASIS_LIMIT`` and ``KLTRITON_BASIS_NEEDS_REF``; ``KLTRITON_HP_<NAME>`` (slot)
+    and ``KLTRITON_NUM_HP``; ``KLTRITON_FIXED_POINT_BITS``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
-             f"-DKLTRITON_WANT_ENTROPY={ENTROPY}", f"-DKLTRITON_WANT_REF={REF}", f"-DKLTRITON_WANT_FULL_KL={FULL_KL}",
-             f"-DKLTRITON_WANT_FORWARD_KL={FORWARD_KL}",
-             f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_BASIS_P_LOGP={P_LOGP}",
-             f"-DKLTRITON_BASIS_P_LOGQ={P_LOGQ}", f"-DKLTRITON_BASIS_Q={Q}",
+             f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_REQUEST_LIMIT={request_bits() + 1}",
+             f"-DKLTRITON_NEEDS_REF={NEEDS_REF}", f"-DKLTRITON_NUM_BASIS={len(GRADIENT_BASIS)}",
+             f"-DKLTRITON_BASIS_LIMIT={sum(BASIS_BITS.values()) + 1}", f"-DKLTRITON_BASIS_NEEDS_REF={BASIS_NEEDS_REF}",
              f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}", f"-DKLTRITON_FIXED_POINT_BITS={FIXED_POINT_BITS}"]
     flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
     flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]
+    flags += [f"-DKLTRITON_BASIS_{term.upper()}={i}" for i, term in enumerate(GRADIENT_BASIS)]
+    flags += [f"-DKLTRITON_BASIS_{term.upper()}_BIT={bit}" for term, bit in BASIS_BITS.items()]
     flags += [f"-DKLTRITON_HP_{name.upper()}={i}" for i, name in enumerate(HYPERPARAMETERS)]
     return flags
 

@@ -41,6 +41,18 @@ WANT_FORWARD_KL = tl.constexpr(constants.FORWARD_KL)
 BASIS_P_LOGP = tl.constexpr(constants.P_LOGP)
 BASIS_P_LOGQ = tl.constexpr(constants.P_LOGQ)
 BASIS_Q = tl.constexpr(constants.Q)
+# Positions of the statistics in a ``finalize`` tuple, and rows of the stacked gradient basis
+# (``[len(GRADIENT_BASIS), N]``).
+STAT_LOGP = tl.constexpr([name for name, _ in constants.STATISTICS].index("logp"))
+STAT_LSE = tl.constexpr([name for name, _ in constants.STATISTICS].index("lse"))
+STAT_ENTROPY = tl.constexpr([name for name, _ in constants.STATISTICS].index("entropy"))
+STAT_REF_LOGP = tl.constexpr([name for name, _ in constants.STATISTICS].index("ref_logp"))
+STAT_REF_LSE = tl.constexpr([name for name, _ in constants.STATISTICS].index("ref_lse"))
+STAT_FULL_KL = tl.constexpr([name for name, _ in constants.STATISTICS].index("full_kl"))
+STAT_FORWARD_KL = tl.constexpr([name for name, _ in constants.STATISTICS].index("forward_kl"))
+TERM = {term: tl.constexpr(i) for i, term in enumerate(constants.GRADIENT_BASIS)}
+TERM_LABEL, TERM_P = TERM["label"], TERM["p"]
+TERM_P_LOGP, TERM_P_LOGQ, TERM_Q = TERM["p_logp"], TERM["p_logq"], TERM["q"]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Exponents are kept in base-2 units. exp2 of anything below W_FLOOR is 0 in fp32, so clamping a
@@ -337,21 +349,22 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
 def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                 forward_kl_ptr=None):
     """``values`` (``constants.STATISTICS`` order) to the present outputs' ``ptr + row`` (absent ones are None;
-    passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function). A statistic added later
-    takes a trailing ``..._ptr=None`` parameter, so kernels that never produce it need no change."""
-    tl.store(logp_ptr + row, values[0])
+    passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function, and a custom op's outputs may
+    not be views of one stacked buffer). A statistic added later takes a trailing ``..._ptr=None`` parameter, so
+    kernels that never produce it need no change."""
+    tl.store(logp_ptr + row, values[STAT_LOGP])
     if lse_ptr is not None:
-        tl.store(lse_ptr + row, values[1])
+        tl.store(lse_ptr + row, values[STAT_LSE])
     if entropy_ptr is not None:
-        tl.store(entropy_ptr + row, values[2])
+        tl.store(entropy_ptr + row, values[STAT_ENTROPY])
     if ref_logp_ptr is not None:
-        tl.store(ref_logp_ptr + row, values[3])
+        tl.store(ref_logp_ptr + row, values[STAT_REF_LOGP])
     if ref_lse_ptr is not None:
-        tl.store(ref_lse_ptr + row, values[4])
+        tl.store(ref_lse_ptr + row, values[STAT_REF_LSE])
     if full_kl_ptr is not None:
-        tl.store(full_kl_ptr + row, values[5])
+        tl.store(full_kl_ptr + row, values[STAT_FULL_KL])
     if forward_kl_ptr is not None:
-        tl.store(forward_kl_ptr + row, values[6])
+        tl.store(forward_kl_ptr + row, values[STAT_FORWARD_KL])
 
 
 @triton.jit
@@ -388,6 +401,23 @@ def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, 
 
 
 @triton.jit
+def load_basis(basis_ptr, n, row, TERMS: tl.constexpr):
+    """A row's gradient basis ``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` from the stacked ``[len(GRADIENT_BASIS),
+    N]`` coefficients (``stacked_basis``); the terms ``TERMS`` does not hold are 0."""
+    c_p_logp = 0.0
+    c_p_logq = 0.0
+    c_q = 0.0
+    if BASIS_P_LOGP & TERMS:
+        c_p_logp = tl.load(basis_ptr + TERM_P_LOGP * n + row)
+    if BASIS_P_LOGQ & TERMS:
+        c_p_logq = tl.load(basis_ptr + TERM_P_LOGQ * n + row)
+    if BASIS_Q & TERMS:
+        c_q = tl.load(basis_ptr + TERM_Q * n + row)
+    return (tl.load(basis_ptr + TERM_LABEL * n + row), tl.load(basis_ptr + TERM_P * n + row), c_p_logp, c_p_logq,
+            c_q)
+
+
+@triton.jit
 def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: tl.constexpr):
     """Gradient (fp32) w.r.t. the logits ``x`` at vocab positions ``offs`` of a row with a finite ``lse``:
     ``c_label * onehot - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q`` with ``basis = (c_label, c_p,
@@ -408,3 +438,15 @@ def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: 
     if BASIS_Q & TERMS:
         grad -= basis[4] * tl.exp(y * inv_temperature - ref_lse)
     return grad
+
+
+# --- stacked outputs and inputs (host side) ----------------------------------------------------------------------
+
+def stacked_basis(basis):
+    """``(coefficients, terms)``: a ``statistics.Basis`` as one contiguous ``[len(GRADIENT_BASIS), N]`` fp32 tensor
+    (absent terms 0) and the bits of its optional terms."""
+    import torch
+
+    terms = sum(bit for term, bit in constants.BASIS_BITS.items() if getattr(basis, term) is not None)
+    zero = torch.zeros_like(basis.label, dtype=torch.float32)
+    return torch.stack([zero if c is None else c.to(torch.float32) for c in basis]), terms

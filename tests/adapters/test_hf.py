@@ -165,19 +165,65 @@ def granite_scaled():
 
 @pytest.mark.parametrize("make", [gemma2_softcap, granite_scaled], ids=["gemma2-softcap", "granite-scaling"])
 def test_head_scaling_from_config_and_no_logits(make):
-    """Softcap / logit scaling read from the config match the model's own logits; the LM head module
-    is never called (no logits are built); the head's weight gets its gradient."""
+    """Softcap / logit scaling read from the config match the model's own logits; no logits are built (the LM head
+    module's forward runs the scoring, as ``kltriton.heads`` does, and returns the ``[B, T]`` log-probs); the head's
+    weight gets its gradient."""
     torch.manual_seed(2)
     model = make()
-    calls = []
-    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    outputs = []
+    model.lm_head.register_forward_hook(lambda module, args, output: outputs.append(tuple(output.shape)))
     seqs, ids, mask, packed, cu = batch("right")
     out = causal_lm_logprobs(model, ids, mask)
-    assert not calls
+    assert outputs == [tuple(ids.shape)], outputs
     model.lm_head.weight.grad = None
     out.logprobs.sum().backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
     for i, seq in enumerate(seqs):
-        calls.clear()
         want = eager_logprobs(model, seq).float()
         torch.testing.assert_close(rows(out.logprobs, mask, cu, i, True), want, atol=2e-5, rtol=1e-5)
+
+
+def _ddp_worker(rank, init_file, report_file):
+    """One gloo rank: the adapter on a DDP-wrapped Llama (``find_unused_parameters=True``, what transformers' Trainer
+    sets without gradient checkpointing) equals the plain model, values and every parameter's gradient."""
+    import torch.distributed as dist
+
+    report = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+        torch.manual_seed(3)
+        model, ref = llama(), llama()
+        twin = llama()
+        twin.load_state_dict(model.state_dict())
+        wrapped = torch.nn.parallel.DistributedDataParallel(twin, find_unused_parameters=True)
+        seqs, ids, mask, packed, cu = batch("left")
+        outs = [causal_lm_logprobs(m, ids, mask, ref_model=ref, estimator="k3") for m in (model, wrapped)]
+        for out in outs:
+            (out.logprobs.sum() + out.kl.sum()).backward()
+        for a, b in zip(outs[0], outs[1]):
+            torch.testing.assert_close(b, a, atol=0, rtol=0)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, atol=1e-7, rtol=1e-6, msg=name)
+        report["ok"] = True
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        report["error"] = traceback.format_exc()
+    finally:
+        with open(report_file, "w") as f:
+            json.dump(report, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_under_ddp_find_unused_parameters(tmp_path):
+    """The adapter scores inside the wrapped model's forward and its LM head's (``kltriton.heads``): under DDP with
+    ``find_unused_parameters=True`` (a head used after the forward is "marked ready twice") it equals the plain
+    model."""
+    import torch.multiprocessing as mp
+
+    report_file = tmp_path / "report.json"
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "init"), str(report_file)), nprocs=1)
+    report = json.loads(report_file.read_text())
+    assert report == {"ok": True}, report.get("error")

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 import kltriton
 from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, assert_close, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, leave_world, value_atol
 
 VOCAB = 1001
 
@@ -327,7 +327,7 @@ def _worker(rank, world, init_file, report_dir, backends, meshes):
     finally:
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        dist.destroy_process_group()
+        leave_world()
 
 
 def _backends():
@@ -396,5 +396,4 @@ def _one_rank_worker(rank, init_file, report_dir):
     finally:
         with open(os.path.join(report_dir, "rank0.json"), "w") as f:
             json.dump(report, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kltriton
-from helpers import STORE_RTOL, assert_close, value_atol
+from helpers import STORE_RTOL, assert_close, leave_world, value_atol
 from truncation_oracle import distinct_logits, vllm_logprobs
 
 AMBIGUOUS = 1e-4
@@ -486,7 +486,7 @@ def _vocab_parallel_worker(rank, world, init_file, report_dir):
         report[name] = same and torch.allclose(full.grad[..., start:stop], part.grad, atol=1e-6)
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    dist.destroy_process_group()
+    leave_world()
 
 
 @pytest.mark.parametrize("world", (2, 3))

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import kltriton
 from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, value_atol
+from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, leave_world, value_atol
 
 SHARDS = {2: (300, 207), 3: (400, 300, 301)}  # V = 507 and V = 1001, uneven
 DTYPES = (torch.float32, torch.bfloat16)
@@ -418,7 +418,7 @@ def _worker(rank, world, init_file, report_dir, backends, names):
     finally:
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        dist.destroy_process_group()
+        leave_world()
 
 
 def _backends():
@@ -510,8 +510,7 @@ def _nccl_worker(rank, init_file, report_dir):
     finally:
         with open(os.path.join(report_dir, "rank0.json"), "w") as f:
             json.dump(report, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
 
 
 @pytest.mark.skipif(os.environ.get("KLTRITON_TEST_DEVICE", "cpu") != "cuda",

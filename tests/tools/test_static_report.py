@@ -20,8 +20,12 @@ def test_static_report_has_no_problems(tmp_path):
     assert report["problems"] == []
     rows = report["rows"]
     forward = [r for r in rows if r["kernel"] == "_stream_forward_kernel"]
-    assert {r["variant"] for r in forward} == {"fwd", "fwd+ent", "fwd+ref", "fwd+ref+ent", "fwd+ref+fullkl",
-                                               "fwd+ref+ent+fullkl", "fwd+ref+forwardkl", "fwd+ref+ent+forwardkl"}
+    # Every request the bits allow (kltriton.kernels.stream.triton.requests): each statistic's variant is named
+    # after it.
+    assert {r["variant"] for r in forward} == {
+        "fwd", "fwd+entropy", "fwd+reflogp", "fwd+entropy+reflogp", "fwd+reflogp+fullkl", "fwd+entropy+reflogp+fullkl",
+        "fwd+reflogp+forwardkl", "fwd+entropy+reflogp+forwardkl", "fwd+reflogp+fullkl+forwardkl",
+        "fwd+entropy+reflogp+fullkl+forwardkl"}
     assert all(r["loop_barriers"] == 0 and r["loop_shuffles"] == 0 for r in forward)
     loss = [r for r in rows if r["kernel"] == "_loss_forward_kernel"]
     assert {r["variant"] for r in loss} == {"ppo", "ppo+ref+k3+ent", "ppo+ref+full+ent", "cispo+rlogp+k3+",

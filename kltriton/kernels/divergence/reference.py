@@ -42,25 +42,27 @@ def _times(prob, values):
     return torch.where(prob == 0, torch.zeros((), dtype=prob.dtype, device=prob.device), prob * values)
 
 
-def _live(target, lse, ref_lse, start, stop):
-    """Rows of ``[start, stop)`` with a label and both distributions (finite log-sum-exps)."""
-    ok = (target[start:stop] >= 0) & torch.isfinite(lse[start:stop]) & torch.isfinite(ref_lse[start:stop])
-    return start + torch.nonzero(ok).squeeze(1)
+def _live_chunks(logits, ref_logits, target, temperature, lse, ref_lse, dtype):
+    """``(rows, log p, log q)`` per chunk of the rows with a label and both distributions (finite log-sum-exps),
+    ``CHUNK_ELEMENTS`` logits at a time."""
+    n, vocab = num_rows(logits), logits.shape[-1]
+    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        ok = (target[start:stop] >= 0) & torch.isfinite(lse[start:stop]) & torch.isfinite(ref_lse[start:stop])
+        rows = start + torch.nonzero(ok).squeeze(1)
+        if rows.numel():
+            yield (rows, *_log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, dtype))
 
 
 def forward(logits, ref_logits, target, temperature, lse, ref_lse, beta):
-    n, vocab = num_rows(logits), logits.shape[-1]
+    n = num_rows(logits)
     acc = accumulation_dtype(logits.dtype)
     bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~(torch.isfinite(lse) & torch.isfinite(ref_lse)))
     jsd = torch.zeros(n, dtype=acc, device=logits.device).masked_fill_(bad, float("nan"))
     kl_student = jsd.clone()
     b = beta.to(acc)
-    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for start in range(0, n, step):
-        rows = _live(target, lse, ref_lse, start, min(start + step, n))
-        if rows.numel() == 0:
-            continue
-        log_p, log_q = _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, acc)
+    for rows, log_p, log_q in _live_chunks(logits, ref_logits, target, temperature, lse, ref_lse, acc):
         p_over_m, q_over_m = ratios(log_p, log_q, b)
         kl_p = _times(log_p.exp(), p_over_m).sum(-1)
         kl_q = _times(log_q.exp(), q_over_m).sum(-1)
@@ -74,12 +76,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_stu
     acc = accumulation_dtype(logits.dtype)
     grad = torch.zeros((n, vocab), dtype=logits.dtype, device=logits.device)
     b = beta.to(acc)
-    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for start in range(0, n, step):
-        rows = _live(target, lse, ref_lse, start, min(start + step, n))
-        if rows.numel() == 0:
-            continue
-        log_p, log_q = _log_probs(logits, ref_logits, rows, temperature, lse, ref_lse, acc)
+    for rows, log_p, log_q in _live_chunks(logits, ref_logits, target, temperature, lse, ref_lse, acc):
         centred = ratios(log_p, log_q, b)[0] - kl_student[rows].to(acc)[:, None]
         grad[rows] = (coef[rows].to(acc)[:, None] * _times(log_p.exp(), centred)).to(grad.dtype)
     return grad.view(logits.shape)

@@ -30,6 +30,7 @@ import torch
 from kltriton import estimators
 from kltriton._inputs import check_float
 from kltriton.kernels import constants
+from kltriton.kernels.loss.weights import Sequences
 
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the log of the GSPO token ratio at 10
 VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps VESPO's token log-ratios to +-20, its sequence log-weight to
@@ -300,20 +301,26 @@ class Batch(NamedTuple):
     adv: torch.Tensor
     hyperparameters: torch.Tensor             # in logp's dtype
     scored: torch.Tensor         # bool
-    seq_index: torch.Tensor      # [N] sequence of each row
-    num_seqs: int
+    sequences: Sequences         # the rows' sequences (and the sequence group): every per-sequence sum
     log_is: Optional[torch.Tensor]  # VESPO: log of the rollout IS weights per token (None: none)
 
     def param(self, name):
         return self.hyperparameters[SLOT[name]]
 
-    def seq_sum(self, values):
-        """``[num_seqs]``: the sum of ``values`` over each sequence's scored rows."""
-        zeros = torch.zeros(self.num_seqs, dtype=values.dtype, device=values.device)
-        return zeros.index_add(0, self.seq_index, torch.where(self.scored, values, torch.zeros_like(values)))
+    @property
+    def seq_index(self):
+        return self.sequences.seq_index
 
-    def seq_count(self):
-        return self.seq_sum(torch.ones_like(self.logp))
+    def seq_sums(self, *values):
+        """``[num_seqs]`` each: the sums of ``values`` over each sequence's scored rows (every rank's under a
+        sequence group: one all-reduce for all of them)."""
+        stacked = torch.stack([torch.where(self.scored, v, torch.zeros_like(v)) for v in values])
+        return self.sequences.sum(stacked).unbind()
+
+    def seq_means(self, *values):
+        """``[num_seqs]`` each: the means of ``values`` over each sequence's scored rows (0 without any)."""
+        *sums, count = self.seq_sums(*values, torch.ones_like(self.logp))
+        return [total / count.clamp(min=1) for total in sums]
 
 
 def kl_term(estimator: Optional[estimators.Estimator], logp, ref_logp, full_kl, kl_clamp):
@@ -339,7 +346,7 @@ def _token_ratio(b: Batch):
 def _sequence_ratio(b: Batch):
     """TRL's ``importance_sampling_level="sequence"``: ``exp`` of the mean log-ratio of the sequence's scored
     tokens (clamped like the token ratio), differentiable through every one of them, broadcast."""
-    mean = b.seq_sum(b.logp - b.old) / b.seq_count().clamp(min=1)
+    mean, = b.seq_means(b.logp - b.old)
     return torch.exp(_clamp_log_ratio(mean, b.param("log_ratio_clamp")))[b.seq_index]
 
 
@@ -424,7 +431,7 @@ def gspo(b: Batch, ratio, log_ratio):
     """verl ``compute_policy_loss_gspo``: the token ratio ``sg(s_i) * p / sg(p)`` with ``s_i`` the geometric
     mean ratio of the sequence's scored tokens."""
     d = torch.where(b.scored, b.logp - b.old, torch.zeros_like(b.logp))
-    seq_log_ratio = b.seq_sum(d) / b.seq_count().clamp(min=1)
+    seq_log_ratio, = b.seq_means(d.detach())
     token_log_ratio = b.logp - b.logp.detach() + seq_log_ratio.detach()[b.seq_index]
     ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
     pg1 = -b.adv * ratio
@@ -483,9 +490,9 @@ def geo_mean(b: Batch, ratio, log_ratio):
     clipped = torch.clamp(d, b.param("ratio_low") - 1, b.param("ratio_high") - 1)  # [-clip_low, clip_high]
     sign = torch.sign(b.adv)
     d_min = sign * torch.minimum(sign * d, sign * clipped)
-    count = b.seq_count().clamp(min=1)
-    ratio = torch.exp(b.seq_sum(d_min) / count)[b.seq_index]
-    adv = (b.seq_sum(b.adv) / count)[b.seq_index]
+    mean_d_min, mean_adv = b.seq_means(d_min, b.adv)
+    ratio = torch.exp(mean_d_min)[b.seq_index]
+    adv = mean_adv[b.seq_index]
     moved = d != clipped
     return -adv * ratio, ratio, moved & (b.adv > 0), moved & (b.adv < 0), d
 
@@ -495,9 +502,11 @@ def vespo(b: Batch, ratio, log_ratio):
     the sequence weight ``w = exp(sum clamp(logp - old, +-20) + sum log IS)`` (``log w`` clamped to
     ``[log 1e-8, 20]``), ``k, lambda`` by the advantage's sign (``>= 0``: ``_pos``)."""
     with torch.no_grad():
-        log_w = b.seq_sum(torch.clamp(b.logp - b.old, -VESPO_LOG_W_MAX, VESPO_LOG_W_MAX))
+        parts = [torch.clamp(b.logp - b.old, -VESPO_LOG_W_MAX, VESPO_LOG_W_MAX)]
         if b.log_is is not None:
-            log_w = log_w + b.seq_sum(torch.clamp(b.log_is, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX))
+            parts.append(torch.clamp(b.log_is, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX))
+        sums = b.seq_sums(*parts)
+        log_w = sums[0] if len(sums) == 1 else sums[0] + sums[1]
         log_w = torch.clamp(log_w, VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)[b.seq_index]
         nonneg = b.adv >= 0
         k = torch.where(nonneg, b.param("vespo_k_pos"), b.param("vespo_k_neg"))
@@ -513,16 +522,18 @@ assert set(FORMULAS) == set(FUSED + SEQUENCE + BATCH)
 
 
 def token_terms(loss_type, estimator, logp, ref_logp, full_kl, old, adv, hyperparameters, scored, seq_index=None,
-                num_seqs=1, *, level: str = "token", log_is=None) -> TokenTerms:
+                num_seqs=1, *, level: str = "token", log_is=None, sequence_group=None) -> TokenTerms:
     """Per-token terms on ``[N]`` tensors; ``old`` None means on-policy (``old = logp.detach()``). ``loss_type``:
     a name of ``LOSS_TYPES`` or a formula (``bypass_mode`` is resolved by ``policy_loss`` first). ``level``:
-    ``"sequence"`` replaces the token ratio by the sequence's (TRL). ``log_is``: VESPO's log IS weights."""
+    ``"sequence"`` replaces the token ratio by the sequence's (TRL). ``log_is``: VESPO's log IS weights.
+    ``sequence_group``: the ranks that hold the other slices of these sequences (``policy_loss``'s): every
+    per-sequence sum is over them (``weights.Sequences``), one all-reduce each."""
     formula = FORMULAS[LOSS_TYPES[loss_type].formula]
     hyperparameters = hyperparameters.to(logp.dtype)
     old = logp.detach() if old is None else old
     if seq_index is None:
         seq_index = torch.zeros_like(scored, dtype=torch.long)
-    b = Batch(logp, old, adv, hyperparameters, scored, seq_index, num_seqs, log_is)
+    b = Batch(logp, old, adv, hyperparameters, scored, Sequences(seq_index, num_seqs, group=sequence_group), log_is)
     ratio, log_ratio = _token_ratio(b)
     if level == "sequence":
         ratio = _sequence_ratio(b)
@@ -540,14 +551,20 @@ def objective(terms: TokenTerms, entropy, w_pg, w_kl, w_ent):
     return w_pg * terms.pg + w_kl * terms.kl + w_ent * entropy
 
 
-def entropy_keep(entropy, scored, quantile):
+def entropy_keep(entropy, scored, quantile, group=None):
     """``(keep, threshold)``: ``keep`` ``[N]`` bool, the scored rows whose entropy is at least ``threshold``, the
     ``quantile`` of the scored rows' entropies (0-dim fp32; TRL's ``get_high_entropy_mask``: ``torch.quantile``'s
     linear interpolation, ``>=``), with no host sync. ``quantile`` a python float in ``[0, 1]``; no row is kept
-    when none is scored."""
+    when none is scored. ``group``: the quantile of the scored rows of every rank of the group (TRL gathers every
+    process's; a sequence group's ranks hold the batch): their entropies are gathered (``parallel.gather_padded``:
+    two all-gathers, the lengths read on the host)."""
     values = torch.where(scored, entropy.float(), torch.full_like(entropy, float("inf"), dtype=torch.float32))
+    if group is not None:
+        from kltriton import parallel
+
+        values = parallel.gather_padded(values, float("inf"), group)
     ordered = torch.sort(values).values
-    count = scored.sum()
+    count = (values != float("inf")).sum() if group is not None else scored.sum()
     rank = (count - 1).clamp(min=0).to(torch.float32) * quantile
     below = rank.floor().long()
     above = rank.ceil().long()
@@ -614,7 +631,7 @@ def _gpg_slope(logp, old, adv, hyperparameters):
 def _dppo_slope(binary_kl: bool):
     def slope(logp, old, adv, hyperparameters):
         _, ratio, _ = _ratio_slope(logp, old, hyperparameters)
-        b = Batch(logp, old, adv, hyperparameters, torch.ones_like(logp, dtype=torch.bool), None, 1, None)
+        b = Batch(logp, old, adv, hyperparameters, torch.ones_like(logp, dtype=torch.bool), Sequences(None, 1), None)
         valid = _dppo_valid(b, binary_kl).to(logp.dtype)
         return -adv * torch.clamp(ratio, max=hyperparameters[SLOT["clip_ratio_c"]]) * valid
     return slope

@@ -265,7 +265,8 @@ def _loss_forward_kernel(
         x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)
         values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
         tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
-        logp, lse, entropy, ref_logp, ref_lse, full_kl, _ = values
+        logp, lse, entropy = values[tr.STAT_LOGP], values[tr.STAT_LSE], values[tr.STAT_ENTROPY]
+        ref_logp, ref_lse, full_kl = values[tr.STAT_REF_LOGP], values[tr.STAT_REF_LSE], values[tr.STAT_FULL_KL]
         # A row without a finite lse (all -inf logits; a NaN or +inf logit) gets a zero gradient.
         if (lse > tr.NEG_INF) & (lse < float("inf")):
             rlp = ref_logp

@@ -12,41 +12,104 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 
 class Sequences(NamedTuple):
-    """Which sequence each row belongs to, and how the sequence-mean aggregations count them."""
-    seq_index: torch.Tensor            # [N] int64
+    """Which sequence each row belongs to, how the sequence-mean aggregations count them, and the sequence group.
+
+    Every reduction over the rows of a sequence or of the batch goes through the methods below: with ``group`` (a
+    sequence group: the ranks each hold a contiguous slice of every sequence) each is ONE all-reduce over the group
+    (a stack of several quantities in the same one), so the result is that of the whole sequences on every rank;
+    without, this rank's rows are the sequences."""
+    seq_index: Optional[torch.Tensor]      # [N] int64 (None: only the batch totals are used)
     num_seqs: int
-    horizon: torch.Tensor              # 0-dim: seq-mean-token-sum-norm's divisor
-    num_tokens: Optional[torch.Tensor]     # 0-dim: token-mean's denominator instead of the count (verl)
-    num_seqs_agg: Optional[torch.Tensor]   # 0-dim: seq-mean's denominator instead of the count (verl, TRL)
+    horizon: Optional[torch.Tensor] = None     # 0-dim: seq-mean-token-sum-norm's divisor
+    num_tokens: Optional[torch.Tensor] = None  # 0-dim: token-mean's denominator instead of the count (verl)
+    num_seqs_agg: Optional[torch.Tensor] = None  # 0-dim: seq-mean's denominator instead of the count (verl, TRL)
+    group: object = None                   # the sequence group (a ProcessGroup), None: this rank's rows alone
+    position: Optional[torch.Tensor] = None  # [N] each row's place along its sequence (global under a group)
+
+    def sum(self, values, replicated: bool = False):
+        """``[..., num_seqs]``: the sum of ``values [..., N]`` over each sequence's rows (the caller masks them),
+        every rank's rows under a group. Differentiable: by default each rank's upstream gradient is that of its
+        own part of a loss summed over the ranks (the gradient is summed over the ranks in the backward);
+        ``replicated``: a result every rank uses alike (its gradient passes as it is)."""
+        out = torch.zeros((*values.shape[:-1], self.num_seqs), dtype=values.dtype, device=values.device)
+        return self.across(out.index_add(values.dim() - 1, self.seq_index, values), replicated)
+
+    def total(self, values, replicated: bool = False):
+        """``values [..., N]`` summed over the rows (of every rank under a group): ``[...]``."""
+        return self.across(values.sum(-1), replicated)
+
+    def maximum(self, values):
+        """The elementwise maximum of ``values`` over the group's ranks (no gradient)."""
+        if self.group is None:
+            return values
+        from kltriton import parallel
+
+        return parallel.all_reduce_max(values.detach().contiguous(), self.group)
+
+    def last(self, rows):
+        """``[N]`` bool: the last of ``rows`` in each sequence (on whichever rank holds it)."""
+        key = torch.where(rows, self.position, torch.full_like(self.position, -1))
+        last = torch.full((self.num_seqs,), -1, dtype=key.dtype, device=key.device).scatter_reduce(
+            0, self.seq_index, key, reduce="amax", include_self=True)
+        return rows & (self.position == self.maximum(last)[self.seq_index])
+
+    def of_each(self, values, fill: float):
+        """``[num_seqs]`` of a quantity that is the same on every row of a sequence (``values [N]``, no gradient),
+        read where the sequence has a row (on any rank); ``fill`` for a sequence without rows."""
+        low = torch.full((self.num_seqs,), float("-inf"), dtype=values.dtype, device=values.device)
+        seen = self.maximum(low.scatter(0, self.seq_index, values.detach()))
+        return torch.where(seen == float("-inf"), torch.full_like(seen, fill), seen)
+
+    def across(self, out, replicated: bool = False):
+        """``out`` (any shape) summed over the group's ranks (as ``sum``)."""
+        if self.group is None:
+            return out
+        from kltriton import parallel
+
+        return parallel.sum_over_ranks(out, self.group) if replicated else parallel.sum_of_parts(out, self.group)
 
 
-def aggregation_weights(aggregation: str, rows, sequences: Sequences, dtype, *, own_denominators: bool = True):
+class RowCounts(NamedTuple):
+    """A set of rows counted per sequence and in all (every rank's rows under a group)."""
+    per_seq: torch.Tensor   # [num_seqs]
+    tokens: torch.Tensor    # 0-dim
+
+
+def row_counts(rows, sequences: Sequences, dtype) -> RowCounts:
+    """``rows`` (``[N]`` bool) counted: ONE all-reduce of ``num_seqs`` values under a group."""
+    per_seq = sequences.sum(rows.to(dtype))
+    return RowCounts(per_seq, per_seq.sum())
+
+
+def aggregation_weights(aggregation: str, rows, sequences: Sequences, dtype, *, own_denominators: bool = True,
+                        counts: Optional[RowCounts] = None):
     """``[N]`` weights with ``agg(x) = sum_n w[n] * x[n]`` (verl ``agg_loss``) over the rows where ``rows``;
-    ``own_denominators=False`` counts the local tokens and sequences instead of ``sequences``' given ones."""
+    ``own_denominators=False`` counts the tokens and sequences instead of ``sequences``' given ones. ``counts``:
+    ``row_counts(rows)`` when the caller has them (else counted here, except for ``token-sum``)."""
     valid = rows.to(dtype)
     num_tokens = sequences.num_tokens if own_denominators else None
     num_seqs_agg = sequences.num_seqs_agg if own_denominators else None
     if aggregation == "token-sum":
         return valid
+    counts = row_counts(rows, sequences, dtype) if counts is None else counts
     if aggregation == "token-mean":
-        return valid / (valid.sum().clamp(min=1) if num_tokens is None else num_tokens.to(dtype))
-    counts = torch.zeros(sequences.num_seqs, dtype=dtype, device=valid.device).index_add_(0, sequences.seq_index,
-                                                                                         valid)
-    count = (counts > 0).to(dtype).sum().clamp(min=1) if num_seqs_agg is None else num_seqs_agg.to(dtype)
+        return valid / (counts.tokens.clamp(min=1) if num_tokens is None else num_tokens.to(dtype))
+    per_seq = counts.per_seq
+    count = (per_seq > 0).to(dtype).sum().clamp(min=1) if num_seqs_agg is None else num_seqs_agg.to(dtype)
     if aggregation == "seq-mean-token-mean":
-        return valid / counts.clamp(min=1)[sequences.seq_index] / count
+        return valid / per_seq.clamp(min=1)[sequences.seq_index] / count
     weights = valid / count
     return weights / sequences.horizon.to(dtype) if aggregation == "seq-mean-token-sum-norm" else weights
 
 
-def default_horizon(shape, cu_seqlens, device) -> torch.Tensor:
+def default_horizon(shape, cu_seqlens, device, split=None) -> torch.Tensor:
     """The padded length: ``T`` of ``[B, T]``, the longest packed segment, or ``N`` for one flat sequence (0-dim
-    float64)."""
-    if len(shape) >= 2:
-        return torch.ones((), dtype=torch.float64, device=device) * shape[-1]
-    if cu_seqlens is not None and cu_seqlens.numel() > 1:
+    float64); under a sequence ``split`` (``parallel.SequenceSplit``) the global ``T`` / ``N``."""
+    if len(shape) < 2 and cu_seqlens is not None and cu_seqlens.numel() > 1:
         return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64)
-    return torch.ones((), dtype=torch.float64, device=device) * max(shape.numel(), 1)
+    length = (shape[-1] if len(shape) >= 2 else shape.numel()) if split is None else split.total
+    length = torch.ones((), dtype=torch.float64, device=device) * length
+    return length if len(shape) >= 2 else length.clamp(min=1)
 
 
 class ImportanceWeights(NamedTuple):
@@ -62,9 +125,7 @@ def importance_weights(old, rollout, is_mode, is_cap, is_min, scored, sequences:
     diff = torch.where(scored & ~torch.isnan(old - rollout), old - rollout, torch.zeros_like(old))
     log_w = diff
     if is_mode is not None and is_mode.startswith("sequence"):
-        per_seq = torch.zeros(sequences.num_seqs, dtype=diff.dtype, device=diff.device).index_add_(
-            0, sequences.seq_index, diff)
-        log_w = per_seq[sequences.seq_index]
+        log_w = sequences.sum(diff.detach())[sequences.seq_index]
     w = torch.exp(log_w)
     high = float("inf") if is_cap is None else is_cap
     low = float("-inf") if is_min is None else is_min
@@ -82,53 +143,54 @@ def off_policy_keep(adv, logp, sampling, threshold, scored, sequences: Sequences
     """TRL's off-policy sequence mask (DeepSeek-V3.2): keep a token when its advantage is ``>= 0`` or its sequence's
     mean ``sampling - logp`` (NaN counted as 0) is at most ``threshold``."""
     kl = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
-    zeros = torch.zeros(sequences.num_seqs, dtype=kl.dtype, device=kl.device)
-    total = zeros.index_add(0, sequences.seq_index, torch.where(scored, kl, torch.zeros_like(kl)))
-    count = zeros.index_add(0, sequences.seq_index, scored.to(kl.dtype)).clamp(min=1)
-    return (adv >= 0) | ((total / count)[sequences.seq_index] <= threshold)
+    total, count = sequences.sum(torch.stack([torch.where(scored, kl, torch.zeros_like(kl)), scored.to(kl.dtype)]))
+    return (adv >= 0) | ((total / count.clamp(min=1))[sequences.seq_index] <= threshold)
 
 
 def geometric_mean_per_sequence(weights, scored, sequences: Sequences):
     """verl geo_mean's reading of token IS weights: ``exp(mean over the sequence of log(w + 1e-10))``."""
     logs = torch.where(scored, torch.log(weights + 1e-10), torch.zeros_like(weights))
-    zeros = torch.zeros(sequences.num_seqs, dtype=weights.dtype, device=weights.device)
-    count = zeros.index_add(0, sequences.seq_index, scored.to(weights.dtype)).clamp(min=1)
-    return torch.exp(zeros.index_add(0, sequences.seq_index, logs) / count)[sequences.seq_index]
+    total, count = sequences.sum(torch.stack([logs, scored.to(weights.dtype)]))
+    return torch.exp(total / count.clamp(min=1))[sequences.seq_index]
 
 
 # --- metrics ------------------------------------------------------------------------------------
-
-def masked_mean(values, scored, count):
-    return torch.where(scored, values, torch.zeros_like(values)).sum() / count
-
 
 def _masked_extreme(values, scored, reduce, neutral):
     """``reduce`` (``amax`` / ``amin``) over the scored entries; ``neutral`` where there are none (an empty
     batch included: a reduction of zero elements has no value)."""
     fill = torch.full((1,), neutral, dtype=values.dtype, device=values.device)
-    return reduce(torch.cat([torch.where(scored, values, fill), fill]))
+    return reduce(torch.cat([torch.where(scored, values, fill), fill])).reshape(1)
 
 
-def metrics(token, scored, entropy, importance: Optional[ImportanceWeights], extra: dict) -> dict:
-    """The policy loss's metrics (0-dim fp32, detached, no host sync) from its per-token terms (``terms.TokenTerms``)
-    and ``extra`` (name -> 0-dim tensor)."""
-    count = scored.float().sum().clamp(min=1)
-    any_scored = scored.any()
-    zero = torch.zeros((), dtype=torch.float32, device=scored.device)
+def metrics(token, scored, entropy, importance: Optional[ImportanceWeights], sums: dict, given: dict,
+            sequences: Sequences) -> dict:
+    """The policy loss's metrics (0-dim fp32, detached, no host sync) from its per-token terms (``terms.TokenTerms``),
+    ``sums`` (name -> ``(numerator, denominator or None)``, 0-dim sums over this rank's rows: the metric is their
+    quotient over every rank's rows) and ``given`` (name -> 0-dim tensor, as it is). Under a sequence group every
+    metric is the whole batch's: the sums in ONE all-reduce, the ratio's extremes in one more."""
     ratio = token.ratio.float()
-    out = {
-        "clipfrac": masked_mean(token.clipped.float(), scored, count),
-        "clipfrac_lower": masked_mean(token.clipped_lower.float(), scored, count),
-        "ppo_kl": masked_mean(-token.log_ratio.float(), scored, count),
-        "kl_mean": masked_mean(token.kl.float().detach(), scored, count),
-        "entropy_mean": masked_mean(entropy.float().detach(), scored, count),
-        "ratio_max": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amax, float("-inf")), zero),
-        "ratio_min": torch.where(any_scored, _masked_extreme(ratio, scored, torch.amin, float("inf")), zero),
-    }
+    means = {"clipfrac": token.clipped.float(), "clipfrac_lower": token.clipped_lower.float(),
+             "ppo_kl": -token.log_ratio.float(), "kl_mean": token.kl.float().detach(),
+             "entropy_mean": entropy.float().detach()}
     if importance is not None:
-        out["is_weight_mean"] = masked_mean(importance.weights.float(), scored, count)
-        out["is_masked_frac"] = masked_mean(importance.outside.float(), scored, count)
-        out["mismatch_k3"] = masked_mean((torch.expm1(importance.log_ratio) - importance.log_ratio).float(), scored,
-                                         count)
-    out.update({name: value.float() for name, value in extra.items()})
+        means.update(is_weight_mean=importance.weights.float(), is_masked_frac=importance.outside.float(),
+                     mismatch_k3=(torch.expm1(importance.log_ratio) - importance.log_ratio).float())
+    parts = [torch.where(scored, value, torch.zeros_like(value)).sum() for value in means.values()]
+    parts.append(scored.float().sum())
+    for numerator, denominator in sums.values():
+        parts += [numerator.float()] if denominator is None else [numerator.float(), denominator.float()]
+    totals = iter(sequences.across(torch.stack(parts).detach()).unbind())
+    out = {name: next(totals) for name in means}
+    count = next(totals)
+    out = {name: value / count.clamp(min=1) for name, value in out.items()}
+    for name, (_, denominator) in sums.items():
+        numerator = next(totals)
+        out[name] = numerator if denominator is None else numerator / next(totals).clamp(min=1)
+    high, low = sequences.maximum(torch.cat([_masked_extreme(ratio, scored, torch.amax, float("-inf")),
+                                             -_masked_extreme(ratio, scored, torch.amin, float("inf"))]))
+    zero = torch.zeros((), dtype=torch.float32, device=scored.device)
+    out["ratio_max"] = torch.where(count > 0, high, zero)
+    out["ratio_min"] = torch.where(count > 0, -low, zero)
+    out.update({name: value.float() for name, value in given.items()})
     return {k: v.detach() for k, v in out.items()}

@@ -27,5 +27,5 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     with_ref = basis.reads_ref()
     grad = torch.ops.kltriton_cpp.stream_backward(
         _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
-        ref_lse if with_ref else None, *basis)
+        ref_lse if with_ref else None, list(basis))
     return grad.view(logits.shape)

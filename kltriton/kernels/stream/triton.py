@@ -19,8 +19,8 @@ from kltriton.kernels.rows import num_rows
 from kltriton.kernels.statistics import StreamStats
 
 
-def _combine_launch(split: int, wanted: int) -> tr.Launch:
-    return tr.Launch(dict(WANT=wanted, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split)),
+def _combine_launch(split: int, request: int) -> tr.Launch:
+    return tr.Launch(dict(WANT=request, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split)),
                      dict(num_warps=1, enable_fp_fusion=True), 1)
 
 
@@ -29,38 +29,41 @@ def _backward_launch(vocab: int) -> tr.Launch:
     return tr.Launch(dict(BLOCK_V=block), tr.options(), block, triton.cdiv(vocab, block))
 
 
-def _forward_launch(vocab: int, elem_bytes: int, wanted: int) -> tr.Launch:
-    tile = tr.forward_tile(vocab, elem_bytes, bool(wanted & constants.REF))
-    return tile._replace(constexprs=dict(tile.constexprs, WANT=wanted))
+def _forward_launch(vocab: int, elem_bytes: int, request: int) -> tr.Launch:
+    tile = tr.forward_tile(vocab, elem_bytes, bool(request & constants.REF))
+    return tile._replace(constexprs=dict(tile.constexprs, WANT=request))
+
+
+def requests():
+    """Every request a forward variant serves: any set of the request bits, those that read the reference only with
+    the reference's own (``constants.NEEDS_REF``)."""
+    bits = constants.request_bits()
+    return [r for r in range(bits + 1) if r & ~bits == 0 and (r & constants.REF or not r & constants.NEEDS_REF)]
+
+
+def _variant_name(prefix, flags):
+    return prefix + "".join(f"+{name}" for name, on in flags if on)
 
 
 def launches(vocab: int, elem_bytes: int):
     """(kernel name, Launch, variant name, absent arguments) of every kernel ``forward`` / ``backward``
     launches for this vocab and logits element size (for ``benchmarks/static.py``)."""
     out = []
-    for ref, ent, full, fwd in ((False, False, False, False), (False, True, False, False), (True, False, False, False),
-                                (True, True, False, False), (True, False, True, False), (True, True, True, False),
-                                (True, False, False, True), (True, True, False, True)):
-        wanted = statistics.request(entropy=ent, ref=ref, full_kl=full, forward_kl=fwd)
-        name = ("fwd" + ("+ref" if ref else "") + ("+ent" if ent else "") + ("+fullkl" if full else "")
-                + ("+forwardkl" if fwd else ""))
-        absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(wanted, s)]
-        absent += [] if ref else ["ref_ptr"]
-        launch = _forward_launch(vocab, elem_bytes, wanted)
+    for request in requests():
+        name = _variant_name("fwd", [(s.replace("_", ""), bit and request & bit)
+                                     for s, bit in constants.STATISTICS if s != "ref_lse"])
+        absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(request, s)]
+        absent += [] if request & constants.REF else ["ref_ptr"]
+        launch = _forward_launch(vocab, elem_bytes, request)
         out.append(("_stream_forward_kernel", launch, name, absent + ([] if launch.grid_split > 1 else ["partial_ptr"])))
         if launch.grid_split > 1:
-            out.append(("_stream_combine_kernel", _combine_launch(launch.grid_split, wanted), name, absent))
-    for logp_term, logq_term, q_term in ((False, False, False), (True, False, False), (True, True, False),
-                                         (False, False, True), (True, False, True)):
-        terms = ((constants.P_LOGP if logp_term else 0) | (constants.P_LOGQ if logq_term else 0)
-                 | (constants.Q if q_term else 0))
-        name = "bwd" + ("+plogp" if logp_term else "") + ("+plogq" if logq_term else "") + ("+q" if q_term else "")
+            out.append(("_stream_combine_kernel", _combine_launch(launch.grid_split, request), name, absent))
+    optional = constants.BASIS_BITS
+    for terms in range(sum(optional.values()) + 1):
+        name = _variant_name("bwd", [(term.replace("_", ""), terms & bit) for term, bit in optional.items()])
         launch = _backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
-        absent = [] if logq_term or q_term else ["ref_ptr", "ref_lse_ptr"]
-        absent += [] if logq_term else ["c_p_logq_ptr"]
-        absent += [] if q_term else ["c_q_ptr"]
-        absent += [] if logp_term else ["c_p_logp_ptr"]
+        absent = [] if terms & constants.BASIS_NEEDS_REF else ["ref_ptr", "ref_lse_ptr"]
         out.append(("_stream_backward_kernel", launch, name, absent))
     return out
 
@@ -141,8 +144,8 @@ def _stream_backward_kernel(
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     target_ptr,                 # [N] int64
     lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
-    c_label_ptr, c_p_ptr, c_p_logp_ptr, c_p_logq_ptr, c_q_ptr,  # [N] fp32 gradient basis (/ T), None if absent
-    vocab,
+    basis_ptr,                  # [len(GRADIENT_BASIS), N] fp32 gradient basis (/ T), absent terms not read
+    n, vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -160,35 +163,26 @@ def _stream_backward_kernel(
         inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
         x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-        c_p_logp = 0.0
-        if tr.BASIS_P_LOGP & TERMS:
-            c_p_logp = tl.load(c_p_logp_ptr + row)
+        basis = tr.load_basis(basis_ptr, n, row, TERMS)
         y = x
         ref_lse = 0.0
-        c_p_logq = 0.0
-        c_q = 0.0
         if (tr.BASIS_P_LOGQ | tr.BASIS_Q) & TERMS:
             ref_lse = tl.load(ref_lse_ptr + row)
-            if tr.BASIS_P_LOGQ & TERMS:
-                c_p_logq = tl.load(c_p_logq_ptr + row)
-            if tr.BASIS_Q & TERMS:
-                c_q = tl.load(c_q_ptr + row)
             y_row = ref_ptr + tr.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-        basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, c_p_logq, c_q)
         grad = tr.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
+def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
-    stats = statistics.empty_stats(n, wanted, lambda size: torch.empty(size, dtype=torch.float32,
-                                                                       device=logits.device))
+    stats = statistics.empty_stats(n, request, lambda size: torch.empty(size, dtype=torch.float32,
+                                                                        device=logits.device))
     if n == 0:
         return stats
-    launch = _forward_launch(vocab, logits.element_size(), wanted)
+    launch = _forward_launch(vocab, logits.element_size(), request)
     split = launch.grid_split
     partial = (torch.empty((n, split, tr.STATE_SIZE), dtype=torch.float32, device=logits.device)
                if split > 1 else None)
@@ -198,7 +192,7 @@ def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
     _stream_forward_kernel[(n, split)](*views, *outputs, vocab, *temperature_args, **launch.constexprs,
                                        **launch.options)
     if split > 1:
-        combine = _combine_launch(split, wanted)
+        combine = _combine_launch(split, request)
         _stream_combine_kernel[(n,)](*views, *outputs, *temperature_args, **combine.constexprs, **combine.options)
     return stats
 
@@ -208,13 +202,12 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
-    terms = ((constants.P_LOGP if basis.p_logp is not None else 0) | (constants.P_LOGQ if basis.p_logq is not None
-                                                                       else 0) | (constants.Q if basis.q is not None else 0))
+    coefficients, terms = tr.stacked_basis(basis)
     with_ref = basis.reads_ref()
     launch = _backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
         *tr.view_args(logits), *tr.view_args(ref_logits if with_ref else None), grad, target,
-        lse, ref_lse if with_ref else None, *basis, vocab, temperature, 1 if temperature.dim() else 0,
+        lse, ref_lse if with_ref else None, coefficients, n, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad

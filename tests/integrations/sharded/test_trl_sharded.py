@@ -31,14 +31,24 @@ LAYOUTS = {
     "fsdp2_bf16": "FSDP2, head in its own unit, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)",
     "zero2": "DeepSpeed ZeRO-2",
     "zero3": "DeepSpeed ZeRO-3 (every parameter partitioned: stage3_param_persistence_threshold=0)",
+    "tp_plan": "tensor parallel: transformers' tp_plan='auto' (every layer sharded, the LM head colwise), accelerate's "
+               "ParallelismConfig(tp_size=2)",
+    "tp_head": "tensor parallel LM head alone: torch parallelize_module(model, mesh, {'lm_head': "
+               "ColwiseParallel(output_layouts=Replicate())}), ParallelismConfig(tp_size=2)",
 }
+TENSOR_PARALLEL = ("tp_plan", "tp_head")
+# TRL's own data-side metrics of a tensor-parallel run count each batch once per rank (TRL gathers over every process
+# as if each were a data-parallel rank, and the two ranks hold one batch): the token count doubles and the rewards'
+# standard deviation is over the duplicated rewards. kltriton computes neither.
+TRL_DUPLICATED = ("num_tokens", "rewards/reward_ids/std", "reward_std")
 TRAINERS = {"grpo": (GRPO, tuple(LAYOUTS)),
             "gkd": (GKD, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16"))),
             "distillation": (DISTILLATION, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16")))}
 CASES = [(trainer, layout) for trainer, (_, layouts) in TRAINERS.items() for layout in layouts]
 # TRL's own head with the LM head in its own FSDP2 unit: the control that shows the comparison can fail.
 CONTROL = ("grpo", "fsdp2_head")
-WRAPPERS = {"ddp": "DistributedDataParallel", "fsdp2": "FSDPLlamaForCausalLM", "zero": "DeepSpeedEngine"}
+WRAPPERS = {"ddp": "DistributedDataParallel", "fsdp2": "FSDPLlamaForCausalLM", "zero": "DeepSpeedEngine",
+            "tp": "LlamaForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +56,11 @@ def runs(models, tmp_path_factory):
     """``{(trainer, layout): rank 0's result}``, all from one 2-process launch; the control under ``"trl"``."""
     jobs = [dict(TRAINERS[trainer][0], layout=layout, **models) for trainer, layout in CASES]
     jobs.append(dict(GRPO_ENTROPY_MASK, layout="ddp", **models))
+    jobs.append(dict(GRPO_ENTROPY_MASK, layout="tp_plan", **models))
     jobs.append(dict(GRPO, layout=CONTROL[1], kltriton=False, **models))
     ranks = launch.run(jobs, tmp_path_factory.mktemp("trl-sharded"), world_size=2)
-    results = {(r["job"], r["layout"]): r for r in ranks[0][:-2]}
-    results["entropy_mask"], results["trl"] = ranks[0][-2:]
+    results = {(r["job"], r["layout"]): r for r in ranks[0][:-3]}
+    results["entropy_mask"], results["entropy_mask_tp"], results["trl"] = ranks[0][-3:]
     for mine, theirs in zip(ranks[0], ranks[1]):  # every rank logged the same (gathered) numbers
         for a, b in zip(mine["logs"], theirs["logs"]):
             assert {k: v for k, v in a.items() if k not in compare.NOT_COMPARED} == \
@@ -76,19 +87,38 @@ def test_trainer_equals_one_process_float64(trainer, layout, runs, references):
               "distillation": "DistillationTrainer loss: kltriton.token_divergence"}[trainer]
     assert any(scored in line for line in run["lines"]), run["lines"]
     assert run["calls"]["policy_loss" if trainer == "grpo" else "token_divergence"] >= 2, run["calls"]
+    if layout in TENSOR_PARALLEL:  # vocab-parallel from the DTensor head: no logits built, not even a shard's
+        assert run["logits_built"] == 0, run["logits_built"]
     # the numbers
-    compare.assert_logs_close(reference["logs"], run["logs"], tolerance)
+    reference_logs, logs = reference["logs"], run["logs"]
+    if layout in TENSOR_PARALLEL:
+        reference_logs, logs = ([{k: v for k, v in log.items() if k not in TRL_DUPLICATED} for log in each]
+                                for each in (reference_logs, logs))
+    compare.assert_logs_close(reference_logs, logs, tolerance)
     compare.assert_grads_close(reference["grads"], run["grads"], tolerance)
 
 
-def test_entropy_mask_over_ranks_keeps_trls_loss(runs, references):
-    """``top_entropy_quantile < 1`` on two ranks: TRL's threshold is the quantile over both ranks' tokens, which
-    ``kltriton.policy_loss`` does not take (it takes the local batch's), so the integration runs TRL's loss on
-    kltriton's log-probs, says why, and equals the one-process run."""
+def test_entropy_mask_over_ranks(runs, references):
+    """``top_entropy_quantile < 1`` on two data-parallel ranks: TRL's threshold is the quantile over both ranks'
+    tokens; kltriton's loss takes it over the data-parallel group (``entropy_quantile_group``) and equals the
+    one-process run, with no fallback."""
     run = runs["entropy_mask"]
-    assert any("top_entropy_quantile < 1 on several processes" in line for line in run["lines"]), run["lines"]
-    assert run["calls"]["policy_loss"] == 0 and run["calls"]["token_logprobs"] >= 2, run["calls"]
+    assert not [line for line in run["lines"] if "TRL's own" in line], run["lines"]
+    assert any("GRPOTrainer loss: kltriton.policy_loss" in line for line in run["lines"]), run["lines"]
+    assert run["calls"]["policy_loss"] >= 2 and run["calls"]["token_logprobs"] >= 2, run["calls"]
     compare.assert_logs_close(references["grpo_entropy_mask"]["logs"], run["logs"], compare.FP32)
+    compare.assert_grads_close(references["grpo_entropy_mask"]["grads"], run["grads"], compare.FP32)
+
+
+def test_entropy_mask_under_tensor_parallel(runs, references):
+    """The same on two tensor-parallel ranks (one batch, no data parallelism): the quantile is over the batch once
+    (TRL's own gathers every process's tokens, the batch twice)."""
+    run = runs["entropy_mask_tp"]
+    assert any("GRPOTrainer loss: kltriton.policy_loss" in line for line in run["lines"]), run["lines"]
+    assert run["logits_built"] == 0 and run["calls"]["policy_loss"] >= 2, (run["logits_built"], run["calls"])
+    reference_logs, logs = ([{k: v for k, v in log.items() if k not in TRL_DUPLICATED} for log in each]
+                            for each in (references["grpo_entropy_mask"]["logs"], run["logs"]))
+    compare.assert_logs_close(reference_logs, logs, compare.FP32)
     compare.assert_grads_close(references["grpo_entropy_mask"]["grads"], run["grads"], compare.FP32)
 
 

@@ -94,8 +94,9 @@ RELABEL = {"kind": None}  # "fsdp" or "deepspeed" while a job of that layout bui
 def relabel_accelerate():
     """accelerate starts FSDP and DeepSpeed only on accelerators: on CPU it silently trains plain DDP. Here the CPU
     processes (gloo) are relabelled to what a user with GPUs gets: ``AcceleratorState`` sees a multi-GPU launch, so
-    ``RELABEL["kind"] = "fsdp"`` gives ``DistributedType.FSDP`` with the trainer's FSDP plugin and ``"deepspeed"``
-    gives ``DEEPSPEED`` with its DeepSpeed plugin. The devices stay the CPU."""
+    ``RELABEL["kind"] = "fsdp"`` gives ``DistributedType.FSDP`` with the trainer's FSDP plugin, ``"deepspeed"``
+    gives ``DEEPSPEED`` with its DeepSpeed plugin and ``"tensor_parallel"`` ``MULTI_GPU``, which accelerate's
+    ``ParallelismConfig(tp_size=...)`` requires (it refuses ``MULTI_CPU``). The devices stay the CPU."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -121,7 +122,9 @@ def reset_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     RELABEL["kind"] = None
-    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    for name in [n for n in os.environ if n in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+                 or n.startswith("FSDP_")]:  # accelerate's FSDP plugin leaves them set for the next job
+        os.environ.pop(name)
 
 
 # ------------------------------------------------------------------------------------------ gradient capture
@@ -203,6 +206,10 @@ def layout_arguments(layout, world):
     if layout.startswith("fsdp2"):
         reshard = not layout.endswith("_keep")
         return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": reshard}}
+    if layout.startswith("tp"):  # the ranks hold one batch (tensor parallel: no data parallel)
+        from accelerate.parallelism_config import ParallelismConfig
+
+        return {"parallelism_config": ParallelismConfig(tp_size=world)}
     if layout.startswith("zero"):
         stage = int(layout[4])
         # stage3_param_persistence_threshold 0: every parameter of the tiny model is partitioned (by default ZeRO-3
@@ -248,6 +255,65 @@ def wrap_fsdp2(layout):
     accelerate.accelerator.fsdp2_prepare_model = prepare
 
 
+TENSOR_PARALLEL = ("tp_head", "tp_plan")
+
+
+def data_parallel(spec, world):
+    """The data-parallel degree of a layout: the ranks, except under tensor parallelism (one batch on every rank)."""
+    return 1 if spec["layout"] in TENSOR_PARALLEL else world
+
+
+def load_model(spec, name="model", world=1):
+    """A causal LM of the job, tensor parallel as the layout says: ``tp_plan`` loads it with transformers'
+    ``tp_plan="auto"`` (every layer sharded, the LM head ``colwise_gather_output``); ``tp_head`` shards its LM head
+    alone with torch's ``parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})``
+    (and records the degree where accelerate reads it)."""
+    from transformers import AutoModelForCausalLM
+
+    layout = spec["layout"]
+    if layout == "tp_plan":
+        return AutoModelForCausalLM.from_pretrained(model_path(spec, name), dtype="auto", tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(model_path(spec, name), dtype="auto")
+    if layout == "tp_head":
+        tensor_parallel_lm_head(model, world)
+    return model
+
+
+def tensor_parallel_lm_head(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    init_process_group({})
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    model.config.distributed_config = DistributedConfig(tp_size=world)  # accelerate's get_model_tp_size reads it
+
+
+def shuffle_alike():
+    """TRL 1.16 shuffles each generation batch with ``torch.randperm`` on each process's own RNG stream, as if every
+    process were a data-parallel rank: under tensor parallelism (one batch on every rank) the ranks then hold their
+    rows in different orders, and every tensor-parallel layer mixes different rows (TRL's own run is off from the
+    first step, KL != 0). A tensor-parallel-aware shuffle draws one permutation for the ranks: here rank 0's RNG
+    state is broadcast before each shuffle. Returns the undo."""
+    import torch.distributed as dist
+    from trl.trainer import distillation_trainer, grpo_trainer
+
+    original = grpo_trainer.shuffle_sequence_dict
+
+    def shuffle(seq_dict):
+        state = torch.get_rng_state()
+        dist.broadcast(state, src=0)
+        torch.set_rng_state(state)
+        return original(seq_dict)
+
+    modules = (grpo_trainer, distillation_trainer)
+    for module in modules:
+        module.shuffle_sequence_dict = shuffle
+    return lambda: [setattr(module, "shuffle_sequence_dict", original) for module in modules]
+
+
 def model_path(spec, name="model"):
     """The float64 copy of a model for the reference and the float64 mixed-precision layout."""
     path = spec[name]
@@ -286,11 +352,14 @@ def grpo(spec, out, world):
     from trl import GRPOConfig, GRPOTrainer
 
     args = common_arguments(spec, out, world)
-    args.update(per_device_train_batch_size=spec["batch"] // world, num_generations=4, max_completion_length=6,
-                num_iterations=2, epsilon=0.1, beta=0.1, temperature=0.9, loss_type=spec.get("loss_type", "dapo"),
-                top_entropy_quantile=spec.get("top_entropy_quantile", 1.0),
-                model_init_kwargs={"dtype": "auto"})
-    trainer = GRPOTrainer(model=model_path(spec), reward_funcs=reward_ids, args=GRPOConfig(**args),
+    init = {"dtype": "auto", "tp_plan": "auto"} if spec["layout"] == "tp_plan" else {"dtype": "auto"}
+    args.update(per_device_train_batch_size=spec["batch"] // data_parallel(spec, world), num_generations=4,
+                max_completion_length=6, num_iterations=2, epsilon=0.1, beta=0.1, temperature=0.9,
+                loss_type=spec.get("loss_type", "dapo"), top_entropy_quantile=spec.get("top_entropy_quantile", 1.0),
+                model_init_kwargs=init)
+    args = GRPOConfig(**args)  # before the models (the process group of a tensor-parallel layout)
+    model = load_model(spec, world=world) if spec["layout"] == "tp_head" else model_path(spec)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_ids, args=args,
                           train_dataset=Dataset.from_dict({"prompt": prompts(spec["batch"] * spec["steps"], length=4)}))
     return run(trainer, spec)
 
@@ -302,10 +371,9 @@ def gkd(spec, out, world):
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     args = common_arguments(spec, out, world)
-    args.update(per_device_train_batch_size=spec["batch"] // world, lmbda=0.0, beta=0.3)
+    args.update(per_device_train_batch_size=spec["batch"] // data_parallel(spec, world), lmbda=0.0, beta=0.3)
     args = GKDConfig(**args)  # before the models: under ZeRO-3 they are built partitioned
-    student = AutoModelForCausalLM.from_pretrained(model_path(spec), dtype="auto")
-    teacher = AutoModelForCausalLM.from_pretrained(model_path(spec, "teacher"), dtype="auto")
+    student, teacher = load_model(spec, world=world), load_model(spec, "teacher", world=world)
     tok = AutoTokenizer.from_pretrained(spec["model"])
     texts = [p + " " + c for p, c in zip(prompts(spec["batch"] * spec["steps"], length=4),
                                           prompts(spec["batch"] * spec["steps"], seed=1))]
@@ -331,12 +399,14 @@ def distillation(spec, out, world):
     from trl import DistillationConfig, DistillationTrainer
 
     args = common_arguments(spec, out, world)
-    args.update(per_device_train_batch_size=spec["batch"] // world, max_completion_length=6, beta=0.3,
-                temperature=0.9, model_init_kwargs={"dtype": "auto"})
+    init = {"dtype": "auto", "tp_plan": "auto"} if spec["layout"] == "tp_plan" else {"dtype": "auto"}
+    args.update(per_device_train_batch_size=spec["batch"] // data_parallel(spec, world), max_completion_length=6,
+                beta=0.3, temperature=0.9, model_init_kwargs=init)
     args = DistillationConfig(**args)
-    teacher = AutoModelForCausalLM.from_pretrained(model_path(spec, "teacher"), dtype="auto")
+    teacher = load_model(spec, "teacher", world=world)
     data = Dataset.from_dict({"prompt": prompts(spec["batch"] * spec["steps"], length=4)})
-    trainer = DistillationTrainer(model=model_path(spec), teacher_model=teacher, args=args, train_dataset=data)
+    model = load_model(spec, world=world) if spec["layout"] == "tp_head" else model_path(spec)
+    trainer = DistillationTrainer(model=model, teacher_model=teacher, args=args, train_dataset=data)
     return run(trainer, spec)
 
 
@@ -714,6 +784,53 @@ def tensor_parallel_head(spec, out, world):
             "weight_local": list(logits.weight.to_local().shape), "shape": list(logits.shape), "seconds": 0.0}
 
 
+def heads_2d(spec, out, world):
+    """FSDP2 and tensor parallelism together, a 2-D mesh ``(dp, tp) = (2, 2)`` on 4 ranks: the LM head tensor
+    parallel (``parallelize_module`` with ``ColwiseParallel(output_layouts=Replicate())`` over ``tp``), then every
+    decoder layer, the head and the root ``fully_shard`` over ``dp``; each ``dp`` rank scores its rows with
+    ``run_in_forward`` + ``score_with_lm_head`` (vocab-parallel over ``tp`` inside the head unit's forward). Against
+    the float64 model (every ``dp`` rank's rows in turn, the mean): the loss of this rank's rows and the largest
+    relative difference of every parameter's full gradient."""
+    import kltriton
+    from kltriton import heads
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    init_process_group(spec)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank(0)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto")
+    reference = AutoModelForCausalLM.from_pretrained(spec["model"] + "64", dtype="auto")
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    fully_shard(model.lm_head, mesh=mesh["dp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ids = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(7))
+    start = time.perf_counter()
+
+    def loss_of(m, input_ids):
+        def forward(input_ids):
+            hidden = m.base_model(input_ids=input_ids).last_hidden_state[:, :-1]
+            return heads.score_with_lm_head(m, hidden, lambda logits: kltriton.token_logprobs(
+                logits, input_ids[:, 1:], temperature=0.8).mean())
+        return -heads.run_in_forward(m, forward, input_ids)
+
+    loss = loss_of(model, ids[2 * dp:2 * dp + 2])
+    loss.backward()
+    expected = [loss_of(reference, ids[2 * r:2 * r + 2]) for r in range(2)]
+    (sum(expected) / 2).backward()
+    grads = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        g = p.grad.full_tensor() if type(p.grad).__name__ == "DTensor" else p.grad
+        grads[name] = ((g.double() - q.grad).abs().max() / q.grad.abs().max()).item()
+    return {"loss": float(loss), "expected": float(expected[dp]), "grads": grads,
+            "placements": [str(p) for p in model.lm_head.weight.placements], "seconds": time.perf_counter() - start}
+
+
 def describe(trainer):
     """What wraps the trained model: accelerate's distributed type, the wrapper, the FSDP2 units, ZeRO's stage."""
     from torch.distributed.fsdp import FSDPModule
@@ -726,7 +843,7 @@ def describe(trainer):
 
 
 JOBS = {"grpo": grpo, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
-        "heads": heads_job, "tensor_parallel": tensor_parallel_head}
+        "heads": heads_job, "tensor_parallel": tensor_parallel_head, "heads_2d": heads_2d}
 
 
 def integration(job):
@@ -755,6 +872,20 @@ def count_kltriton_calls():
             if module_name.split(".")[0] == "kltriton" and getattr(module, name, None) is original:
                 setattr(module, name, counted)
     return calls
+
+
+def count_logits():
+    """Count the module outputs that are logits (a tensor whose last dimension is the vocabulary): kltriton's paths
+    build none, not even a vocabulary shard's. Returns the counter (a one-entry list) and the hook's handle."""
+    built = [0]
+
+    def hook(module, args, output):
+        output = getattr(output, "logits", output)
+        if isinstance(output, torch.Tensor) and output.dim() >= 2 and output.shape[-1] in (VOCAB, (VOCAB + 1) // 2,
+                                                                                          VOCAB // 2):
+            built[0] += 1
+
+    return built, torch.nn.modules.module.register_module_forward_hook(hook)
 
 
 class Lines(logging.Handler):
@@ -791,13 +922,16 @@ def main(path):
     results = []
     for spec in scenario["jobs"]:
         layout = spec["layout"]
-        if world > 1 and (layout.startswith("fsdp") or layout.startswith("zero")):
-            RELABEL["kind"] = "fsdp" if layout.startswith("fsdp") else "deepspeed"
+        if world > 1 and (layout.startswith(("fsdp", "zero")) or layout in TENSOR_PARALLEL):
+            RELABEL["kind"] = {"f": "fsdp", "z": "deepspeed", "t": "tensor_parallel"}[layout[0]]
         if layout.startswith("fsdp"):
             wrap_fsdp2(layout)
+        undo_shuffle = shuffle_alike() if layout in TENSOR_PARALLEL and spec["job"] in ("grpo", "distillation") \
+            else None
         lines = Lines()
         logging.getLogger("kltriton").addHandler(lines)
         before = dict(calls)
+        logits_built, logits_hook = count_logits()
         patch = None
         if spec["job"] == "verl":
             verl_on_cpu()
@@ -814,10 +948,13 @@ def main(path):
         finally:
             if patch is not None:
                 patch.undo()
+            if undo_shuffle is not None:
+                undo_shuffle()
             logging.getLogger("kltriton").removeHandler(lines)
+            logits_hook.remove()
             reset_accelerate()
         result.update(job=spec["job"], name=spec.get("name", spec["job"]), layout=layout, lines=lines.lines,
-                      calls={k: calls[k] - before[k] for k in calls})
+                      calls={k: calls[k] - before[k] for k in calls}, logits_built=logits_built[0])
         print(f"[{time.time() - T0:.1f}s] rank {rank} {spec['job']} {layout} done ({result['seconds']:.1f}s training)",
               file=sys.stderr, flush=True)
         results.append(result)
