@@ -2,6 +2,7 @@
 // in parallel. invariant_forward reads each row from memory once for both passes (the row stays in cache between
 // its maximum and its sums).
 #include "invariant.h"
+#include "row_forward.h"  // kEntropy
 
 namespace kltriton_cpp {
 namespace {
