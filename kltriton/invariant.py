@@ -79,15 +79,15 @@ class Setup(NamedTuple):
     group: object
     start: object   # the shard's first global id (an int, or a 0-dim tensor learned on the device)
     size: int       # V_local
-    wanted: int     # request bits (ENTROPY or 0)
+    request: int    # request bits (ENTROPY or 0)
     backend: str
 
 
-def setup(shard, wanted: int, backend: str, width: int) -> Setup:
+def setup(shard, request: int, backend: str, width: int) -> Setup:
     """The ``Setup`` of a pass over ``width`` ids (``shard``: a ``parallel.VocabShard`` or None)."""
     if shard is None:
-        return Setup(None, 0, width, wanted, backend)
-    return Setup(shard.group, shard.start, shard.size, wanted, backend)
+        return Setup(None, 0, width, request, backend)
+    return Setup(shard.group, shard.start, shard.size, request, backend)
 
 
 def _collectives():
@@ -118,17 +118,17 @@ def _dense_forward(s: Setup, logits, target, temperature, floor):
     """``(StreamStats, backward target, own)`` of dense rows (``own`` None when whole)."""
     acc = accumulation_dtype(logits.dtype)
     if s.group is None:
-        row_max, sums = invariant_ops.forward(logits, target, temperature, floor, s.wanted, s.backend)
+        row_max, sums = invariant_ops.forward(logits, target, temperature, floor, s.request, s.backend)
         stats = invariant_ops.finalize(row_max, sums, label_logits(logits, target, floor), target >= 0, target,
-                                       temperature, s.wanted, acc)
+                                       temperature, s.request, acc)
         return stats, target, None
     all_reduce_max, all_reduce = _collectives()
     kernel_target, own = localize(target, s.start, s.size)
     row_max = all_reduce_max(invariant_ops.maxima(logits, kernel_target, floor, s.backend), s.group)
-    sums = invariant_ops.sums(logits, kernel_target, temperature, row_max, floor, s.wanted, s.backend)
+    sums = invariant_ops.sums(logits, kernel_target, temperature, row_max, floor, s.request, s.backend)
     label = label_logits(logits, kernel_target, floor)
     sums, held, label = unpack(all_reduce(pack(sums, own, label), s.group))
-    stats = invariant_ops.finalize(row_max, sums, label, held, target, temperature, s.wanted, acc)
+    stats = invariant_ops.finalize(row_max, sums, label, held, target, temperature, s.request, acc)
     # a label no shard holds: NaN statistics, no gradient
     backward_target = torch.where((target >= 0) & ~held, torch.full_like(target, OUT_OF_RANGE), kernel_target)
     return stats, backward_target, own
@@ -169,11 +169,11 @@ class _Dense(torch.autograd.Function):
         return None, d, None, None, None
 
 
-def dense(logits, target, temperature, floor: Optional[torch.Tensor], wanted: int, backend: str,
+def dense(logits, target, temperature, floor: Optional[torch.Tensor], request: int, backend: str,
           shard) -> StreamStats:
-    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``wanted`` asks) of dense logits (this rank's vocab
+    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``request`` asks) of dense logits (this rank's vocab
     shard with ``shard``) restricted to the entries ``>= floor`` (None: all), differentiable w.r.t. the logits."""
-    s = setup(shard, wanted, backend, logits.shape[-1])
+    s = setup(shard, request, backend, logits.shape[-1])
     return stats_of(*_Dense.apply(s, logits, target, temperature, floor))
 
 
@@ -197,10 +197,10 @@ class _Linear(torch.autograd.Function):
             label = torch.where(own, kernel_target, -1)
             reduce_max, reduce_sum = (lambda t: all_reduce_max(t, s.group)), (lambda t: all_reduce(t, s.group))
         impl = dispatch.implementation("invariant", s.backend)
-        row_max, packed = fixed.forward(side, target >= 0, label, temperature, s.wanted, impl, tile_elements,
+        row_max, packed = fixed.forward(side, target >= 0, label, temperature, s.request, impl, tile_elements,
                                         reduce_max, reduce_sum)
         sums, held, value = unpack(packed)
-        stats = invariant_ops.finalize(row_max, sums, value, held, target, temperature, s.wanted, acc)
+        stats = invariant_ops.finalize(row_max, sums, value, held, target, temperature, s.request, acc)
         ctx.s = s
         ctx.save_for_backward(hidden, weight, bias, scale, softcap, (target >= 0) & held, label, temperature,
                               stats.logp, stats.lse, stats.entropy)
@@ -225,11 +225,11 @@ class _Linear(torch.autograd.Function):
         return None, None, None, None, d_x, d_weight, d_bias, None, None
 
 
-def linear(side: Side, target, temperature, wanted: int, backend: str, tile_elements: int, shard) -> StreamStats:
-    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``wanted`` asks) of an LM head (its weight this rank's
+def linear(side: Side, target, temperature, request: int, backend: str, tile_elements: int, shard) -> StreamStats:
+    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``request`` asks) of an LM head (its weight this rank's
     vocab shard with ``shard``), differentiable w.r.t. its hidden states, weight and bias. ``tile_elements`` only
     decides whether a token tile's whole rows are held (one GEMM per window) or each window built twice."""
-    s = setup(shard, wanted, backend, side.weight.shape[0])
+    s = setup(shard, request, backend, side.weight.shape[0])
     return stats_of(*_Linear.apply(s, tile_elements, target, temperature, *side))
 
 

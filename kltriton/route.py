@@ -96,10 +96,10 @@ def invariant_statistics(call: Call, request: int) -> StreamStats:
     name = backend(call, "invariant")
     target, temperature = call.layout.target, call.temperature
 
-    def side_stats(side, wanted):
+    def side_stats(side, side_request):
         if side.weight is None:
-            return invariant.dense(side.x, target, temperature, None, wanted, name, call.shard)
-        return invariant.linear(side, target, temperature, wanted, name, call.tile_elements, call.shard)
+            return invariant.dense(side.x, target, temperature, None, side_request, name, call.shard)
+        return invariant.linear(side, target, temperature, side_request, name, call.tile_elements, call.shard)
 
     stats = side_stats(call.policy, request & constants.ENTROPY)
     if call.ref is None:

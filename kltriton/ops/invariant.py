@@ -23,7 +23,7 @@ def _maxima_fake(args):
 
 
 def _sums_fake(args):
-    return args.target.new_empty((sum_count(args.wanted), args.target.shape[0]), dtype=torch.int64)
+    return args.target.new_empty((sum_count(args.request), args.target.shape[0]), dtype=torch.int64)
 
 
 _maxima = define_op(
@@ -34,19 +34,19 @@ _maxima = define_op(
 _sums = define_op(
     "invariant_sums",
     inputs=(("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("row_max", TENSOR), ("floor", OPTIONAL),
-            ("wanted", INT), ("backend", STR)),
+            ("request", INT), ("backend", STR)),
     outputs=("sums",),
     launch=lambda args: _impl(args).sums(args.logits.detach(), args.target, args.temperature, args.row_max,
-                                         args.floor, args.wanted),
+                                         args.floor, args.request),
     fake=_sums_fake)
 
 _forward = define_op(
     "invariant_forward",
-    inputs=(("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("floor", OPTIONAL), ("wanted", INT),
+    inputs=(("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR), ("floor", OPTIONAL), ("request", INT),
             ("backend", STR)),
     outputs=("row_max", "sums"),
     launch=lambda args: tuple(_impl(args).forward(args.logits.detach(), args.target, args.temperature, args.floor,
-                                                  args.wanted)),
+                                                  args.request)),
     fake=lambda args: (_maxima_fake(args), _sums_fake(args)))
 
 
@@ -55,39 +55,39 @@ def maxima(logits, target, floor, backend: str) -> torch.Tensor:
     return _maxima(logits, target, floor, backend)
 
 
-def sums(logits, target, temperature, row_max, floor, wanted: int, backend: str) -> torch.Tensor:
+def sums(logits, target, temperature, row_max, floor, request: int, backend: str) -> torch.Tensor:
     """``[k, N]`` int64 fixed-point sums of each row given its ``row_max``."""
-    return _sums(logits, target, temperature, row_max.contiguous(), floor, wanted, backend)
+    return _sums(logits, target, temperature, row_max.contiguous(), floor, request, backend)
 
 
-def forward(logits, target, temperature, floor, wanted: int, backend: str):
+def forward(logits, target, temperature, floor, request: int, backend: str):
     """``(row_max, sums)`` of rows of a whole vocabulary."""
-    return _forward(logits, target, temperature, floor, wanted, backend)
+    return _forward(logits, target, temperature, floor, request, backend)
 
 
 def _finalize_launch(args):
     stats = family.finalize(args.row_max, args.sums, args.label, args.held, args.target, args.temperature,
-                            args.wanted, args.dtype)
+                            args.request, args.dtype)
     return stats.logp, stats.lse, stats.entropy
 
 
 def _finalize_fake(args):
     n = args.target.shape[0]
     new = lambda size: args.row_max.new_empty(size, dtype=args.dtype)  # noqa: E731
-    return new(n), new(n), new(n if args.wanted & constants.ENTROPY else 0)
+    return new(n), new(n), new(n if args.request & constants.ENTROPY else 0)
 
 
 _finalize = define_op(
     "invariant_finalize",
     inputs=(("row_max", TENSOR), ("sums", TENSOR), ("label", TENSOR), ("held", TENSOR), ("target", TENSOR),
-            ("temperature", TENSOR), ("wanted", INT), ("dtype", DTYPE)),
+            ("temperature", TENSOR), ("request", INT), ("dtype", DTYPE)),
     outputs=("logp", "lse", "entropy"), launch=_finalize_launch, fake=_finalize_fake)
 
 
-def finalize(row_max, sums, label, held, target, temperature, wanted: int, dtype) -> StreamStats:
+def finalize(row_max, sums, label, held, target, temperature, request: int, dtype) -> StreamStats:
     """``kernels.invariant.finalize`` as an op: ``StreamStats`` with ``logp``, ``lse`` and ``entropy`` (empty unless
-    ``wanted`` asks), the others empty."""
-    logp, lse, entropy = _finalize(row_max, sums.contiguous(), label.contiguous(), held, target, temperature, wanted,
+    ``request`` asks), the others empty."""
+    logp, lse, entropy = _finalize(row_max, sums.contiguous(), label.contiguous(), held, target, temperature, request,
                                    dtype)
     none = lse.new_empty(0)
     found = {"logp": logp, "lse": lse, "entropy": entropy}

@@ -26,10 +26,10 @@ the ``truncation`` family's kept set):
 ``maxima(logits, target, floor) -> [N]``
     Each read row's largest entry in ``accumulation_dtype(logits.dtype)``; ``+inf`` where a NaN or ``+inf`` is read
     (a bad row: it merges as the maximum), ``-inf`` where every entry is ``-inf`` or the row is not read.
-``sums(logits, target, temperature, row_max, floor, wanted) -> [1 or 2, N] int64``
-    ``mass`` (and ``weighted`` when ``wanted`` has ``ENTROPY``) of each read row given its (global) ``row_max``; 0 on
+``sums(logits, target, temperature, row_max, floor, request) -> [1 or 2, N] int64``
+    ``mass`` (and ``weighted`` when ``request`` has ``ENTROPY``) of each read row given its (global) ``row_max``; 0 on
     rows not read or whose ``row_max`` is not finite.
-``forward(logits, target, temperature, floor, wanted) -> (row_max, sums)``
+``forward(logits, target, temperature, floor, request) -> (row_max, sums)``
     Both on rows of a whole vocabulary (the C++ backend reads each row from memory once for both).
 """
 import math
@@ -41,9 +41,9 @@ from kltriton.kernels.statistics import StreamStats, empty_stats
 FIXED_UNIT = float(2 ** constants.FIXED_POINT_BITS)
 
 
-def sum_count(wanted: int) -> int:
+def sum_count(request: int) -> int:
     """Rows of ``sums``' output: ``mass``, and ``weighted`` with the entropy."""
-    return 2 if wanted & constants.ENTROPY else 1
+    return 2 if request & constants.ENTROPY else 1
 
 
 def pack(sums: torch.Tensor, held: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
@@ -60,8 +60,8 @@ def unpack(packed: torch.Tensor):
 
 
 def finalize(row_max: torch.Tensor, sums: torch.Tensor, label: torch.Tensor, held: torch.Tensor,
-             target: torch.Tensor, temperature: torch.Tensor, wanted: int, dtype: torch.dtype) -> StreamStats:
-    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``wanted`` asks; the others empty) in ``dtype`` from a
+             target: torch.Tensor, temperature: torch.Tensor, request: int, dtype: torch.dtype) -> StreamStats:
+    """``StreamStats`` (``logp``, ``lse``, ``entropy`` when ``request`` asks; the others empty) in ``dtype`` from a
     row's ``row_max`` and ``sums`` (whole rows) and its label's logit ``label`` (float64, ``-inf`` below the floor;
     read where ``held``).
 
@@ -83,7 +83,7 @@ def finalize(row_max: torch.Tensor, sums: torch.Tensor, label: torch.Tensor, hel
     statistic_ok = live & held
     out = {"logp": torch.where(statistic_ok, logp.clamp(max=0), nan),
            "lse": lse}
-    if wanted & constants.ENTROPY:
+    if request & constants.ENTROPY:
         entropy = log_mass + sums[1].double() / torch.where(live, mass, torch.ones_like(mass))
         out["entropy"] = torch.where(statistic_ok, entropy, nan)
     for name in ("logp", "entropy"):

@@ -13,12 +13,12 @@ def maxima(logits, target, floor):
     return torch.ops.kltriton_cpp.invariant_maxima(as_rows3d(logits), target, floor)
 
 
-def sums(logits, target, temperature, row_max, floor, wanted):
+def sums(logits, target, temperature, row_max, floor, request):
     cpp_library.load()
-    return torch.ops.kltriton_cpp.invariant_sums(as_rows3d(logits), target, temperature, row_max, floor, int(wanted))
+    return torch.ops.kltriton_cpp.invariant_sums(as_rows3d(logits), target, temperature, row_max, floor, int(request))
 
 
-def forward(logits, target, temperature, floor, wanted):
+def forward(logits, target, temperature, floor, request):
     cpp_library.load()
-    row_max, out = torch.ops.kltriton_cpp.invariant_forward(as_rows3d(logits), target, temperature, floor, int(wanted))
+    row_max, out = torch.ops.kltriton_cpp.invariant_forward(as_rows3d(logits), target, temperature, floor, int(request))
     return row_max, out

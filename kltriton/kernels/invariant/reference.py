@@ -33,10 +33,10 @@ def maxima(logits, target, floor):
     return out
 
 
-def sums(logits, target, temperature, row_max, floor, wanted):
+def sums(logits, target, temperature, row_max, floor, request):
     n, vocab = num_rows(logits), logits.shape[-1]
     acc = accumulation_dtype(logits.dtype)
-    out = torch.zeros((sum_count(wanted), n), dtype=torch.int64, device=logits.device)
+    out = torch.zeros((sum_count(request), n), dtype=torch.int64, device=logits.device)
     rows3d = as_rows3d(logits)
     for start, stop in _chunks(n, vocab):
         chunk = slice(start, stop)
@@ -48,12 +48,12 @@ def sums(logits, target, temperature, row_max, floor, wanted):
         z = (_read(rows3d, rows, floor, acc) - row_max[rows].to(acc)[:, None]) / t   # <= 0
         e = z.exp()                                                                  # in [0, 1]
         out[0, rows] = (e * FIXED_UNIT).long().sum(-1)
-        if wanted & constants.ENTROPY:
+        if request & constants.ENTROPY:
             weighted = torch.where(e > 0, e * -z, torch.zeros((), dtype=acc, device=e.device))  # in [0, 1/e]
             out[1, rows] = (weighted * FIXED_UNIT).long().sum(-1)
     return out
 
 
-def forward(logits, target, temperature, floor, wanted):
+def forward(logits, target, temperature, floor, request):
     row_max = maxima(logits, target, floor)
-    return row_max, sums(logits, target, temperature, row_max, floor, wanted)
+    return row_max, sums(logits, target, temperature, row_max, floor, request)

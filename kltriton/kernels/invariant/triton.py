@@ -125,12 +125,12 @@ def maxima(logits, target, floor):
     return partial.amax(1).to(accumulation_dtype(logits.dtype))
 
 
-def sums(logits, target, temperature, row_max, floor, wanted):
+def sums(logits, target, temperature, row_max, floor, request):
     n, vocab, block, chunk, split = _grid(logits)
-    k = sum_count(wanted)
+    k = sum_count(request)
     partial = torch.empty((k, n, split), dtype=torch.int64, device=logits.device)
     if n:
-        entropy = bool(wanted & constants.ENTROPY)
+        entropy = bool(request & constants.ENTROPY)
         _sums_kernel[(n, split)](*tr.view_args(logits), target, floor, row_max.float().contiguous(), partial[0],
                                  partial[1] if entropy else None, vocab, split, temperature,
                                  1 if temperature.dim() else 0, BLOCK=block, CHUNK=chunk, ENTROPY=entropy,
@@ -138,6 +138,6 @@ def sums(logits, target, temperature, row_max, floor, wanted):
     return partial.sum(-1)
 
 
-def forward(logits, target, temperature, floor, wanted):
+def forward(logits, target, temperature, floor, request):
     row_max = maxima(logits, target, floor)
-    return row_max, sums(logits, target, temperature, row_max, floor, wanted)
+    return row_max, sums(logits, target, temperature, row_max, floor, request)

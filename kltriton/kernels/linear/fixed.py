@@ -47,7 +47,7 @@ def _padded(side, block):
     return side._replace(weight=weight, bias=bias)
 
 
-def forward(side, read, label, temperature, wanted, invariant, tile_elements, reduce_max, reduce_sum):
+def forward(side, read, label, temperature, request, invariant, tile_elements, reduce_max, reduce_sum):
     """``(row_max [N], packed [k + 2, N])`` of an LM head ``side`` (``kltriton.kernels.linear.Side``): each read row's
     largest logit and its ``kernels.invariant.pack`` of fixed-point sums and label logit, each joined over the ranks
     by ``reduce_max`` / ``reduce_sum`` per token tile (identity without a vocab shard; every rank cuts the same
@@ -62,7 +62,7 @@ def forward(side, read, label, temperature, wanted, invariant, tile_elements, re
     side = _padded(side, block)
     spans = windows(width, block)
     row_max = torch.full((n,), -math.inf, dtype=acc, device=device)
-    packed = torch.zeros((sum_count(wanted) + 2, n), dtype=torch.int64, device=device)
+    packed = torch.zeros((sum_count(request) + 2, n), dtype=torch.int64, device=device)
     held_rows = rows * width <= tile_elements
     window = torch.empty(rows * block, dtype=acc, device=device)
     whole = torch.empty((rows, width), dtype=acc, device=device) if held_rows and len(spans) > 1 else None
@@ -90,11 +90,11 @@ def forward(side, read, label, temperature, wanted, invariant, tile_elements, re
             part = invariant.maxima(logits, tgt, None)
             tile_max = part if tile_max is None else torch.maximum(tile_max, part)
         tile_max = reduce_max(tile_max)
-        sums = torch.zeros((sum_count(wanted), rows), dtype=torch.int64, device=device)
+        sums = torch.zeros((sum_count(request), rows), dtype=torch.int64, device=device)
         value = torch.zeros(rows, dtype=torch.float64, device=device)
         held = torch.zeros(rows, dtype=torch.bool, device=device)
         for logits, first in sum_pieces:
-            sums += invariant.sums(logits, tgt, temp, tile_max, None, wanted)
+            sums += invariant.sums(logits, tgt, temp, tile_max, None, request)
             inside = (lab >= first) & (lab < first + logits.shape[1])
             at = (lab - first).clamp(0, logits.shape[1] - 1)[:, None]
             value = torch.where(inside, logits.gather(1, at).squeeze(1).double(), value)
