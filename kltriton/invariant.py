@@ -33,6 +33,7 @@ from kltriton.kernels.statistics import StreamStats
 from kltriton.ops import invariant as invariant_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
+from kltriton.ops._define import NeedsGrad
 
 _ENABLED = invariant_default()
 
@@ -162,8 +163,9 @@ class _Dense(torch.autograd.Function):
             return None, None, None, None, None
         stats, grads, name = stats_of(logp, lse, entropy), {"logp": g_logp, "entropy": g_entropy}, ctx.s.backend
         if floor is None:
-            d = statistics_ops.gradients(Side(logits, None, None, None, None), None, target, temperature, 0, name, grads,
-                                         stats, (True, False, False), label_here=own)[0]
+            dense_side = Side(logits, None, None, None, None)
+            d = statistics_ops.gradients(dense_side, None, target, temperature, 0, name, grads, stats,
+                                         NeedsGrad(True, False, False), label_here=own)[0]
         else:
             d = truncation_ops.gradient(logits, target, temperature, floor, stats, grads, name, label_here=own)
         return None, d, None, None, None
