@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import kltriton
 from helpers import MIXED_GRAD_RTOL, assert_close, grad_tols, leave_world, random_labels, value_atol
 from kltriton import dispatch
+from kltriton.kernels.constants import ENTROPY
 from kltriton.kernels.linear import fixed
 
 SMALL_GEOMETRY = (16, 64)  # GEMMs of 16 rows x 64 ids: windows, an overlapping last one and padding at test sizes
@@ -246,6 +247,25 @@ def test_compiled_equals_eager(invariant, backend):
     compiled_outs, compiled_grads = _grads(torch.compile(call, backend="inductor", fullgraph=True), logits)
     eager_outs, eager_grads = _grads(call, logits)
     _same(compiled_outs + compiled_grads, eager_outs + eager_grads, "compiled")
+
+
+def test_opcheck(backend):
+    """The invariant ops as ``torch.library`` custom ops (schema, fake tensors, no aliasing): ``opcheck``."""
+    from kltriton.ops import invariant as ops
+
+    gen = torch.Generator().manual_seed(9)
+    logits = _logits((6, 67), torch.float32, gen)
+    target = random_labels((6,), 67).clamp(min=-1)
+    temperature = torch.tensor(0.8, dtype=torch.float64)
+    floor = torch.full((6,), -1.0)
+    row_max, sums = ops.forward(logits, target, temperature, None, ENTROPY, backend)
+    label = logits.gather(1, target.clamp(min=0)[:, None]).squeeze(1).double()
+    cases = [(ops._maxima, (logits, target, floor, backend)),
+             (ops._sums, (logits, target, temperature, row_max, None, ENTROPY, backend)),
+             (ops._forward, (logits, target, temperature, floor, 0, backend)),
+             (ops._finalize, (row_max, sums, label, target >= 0, target, temperature, ENTROPY, torch.float32))]
+    for op, args in cases:
+        torch.library.opcheck(op.custom_op, op.flatten(*args))
 
 
 def test_what_it_does_not_cover(invariant):
