@@ -2,12 +2,13 @@
 
 Compiles every kernel variant of ``kltriton.kernels.stream.triton`` (and the loss family's fused kernel,
 ``kltriton.kernels.loss.triton``, in its ``STATIC_VARIANTS``, the truncation family's kernels,
-``kltriton.kernels.truncation.triton``, and the divergence family's JSD kernels,
-``kltriton.kernels.divergence.triton``), as their ``launches`` list them, for an NVIDIA target (sm_90 by
-default; no GPU needed) with the launch settings ``forward`` / ``backward`` would use, disassembles the
-cubin with the ``cuobjdump`` Triton ships, and reports per variant: registers, spills (local memory,
-STL/LDL), shared memory, the vocab loop's SASS instruction count per element handled by a thread,
-barriers (BAR.SYNC) and global load / store widths inside that loop. Compiles are cached by Triton.
+``kltriton.kernels.truncation.triton``, the divergence family's JSD kernels,
+``kltriton.kernels.divergence.triton``, and the invariant family's kernels, ``kltriton.kernels.invariant.triton``),
+as their ``launches`` list them, for an NVIDIA target (sm_90 by default; no GPU needed) with the launch settings
+``forward`` / ``backward`` would use, disassembles the cubin with the ``cuobjdump`` Triton ships, and reports per
+variant: registers, spills (local memory, STL/LDL), shared memory, the vocab loop's SASS instruction count per
+element handled by a thread, barriers (BAR.SYNC) and global load / store widths inside that loop. Compiles are
+cached by Triton.
 
 Must run with ``TRITON_INTERPRET=0`` (the interpreter replaces the kernels by Python functions);
 ``main`` sets it when it imports the kernels itself.
@@ -35,7 +36,7 @@ def _arg_type(name, dtype, ref_dtype=None):
         return "*i64"
     if name in ("temperature_ptr", "hp_ptr", "top_p_ptr", "min_p_ptr", "beta_ptr"):
         return "*fp64"
-    if name == "top_k_ptr":
+    if name in ("top_k_ptr", "mass_ptr", "weighted_ptr"):  # the invariant family's fixed-point sums
         return "*i64"
     if name == "ref_ptr":
         return "*" + (ref_dtype or dtype)
@@ -146,22 +147,24 @@ def analyse(compiled, elements_per_thread):
 
 def _kernel(name):
     from kltriton.kernels.divergence import triton as td
+    from kltriton.kernels.invariant import triton as ti
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
     from kltriton.kernels.truncation import triton as tt
 
-    return getattr(ts, name, None) or getattr(tl_loss, name, None) or getattr(tt, name, None) or getattr(td, name)
+    return next(getattr(module, name) for module in (ts, tl_loss, tt, td, ti) if hasattr(module, name))
 
 
 def _tasks(cases):
     """(vocab, dtype, kernel name, Launch, variant name, absent arguments) of every compile."""
     from kltriton.kernels.divergence import triton as td
+    from kltriton.kernels.invariant import triton as ti
     from kltriton.kernels.loss import triton as tl_loss
     from kltriton.kernels.stream import triton as ts
     from kltriton.kernels.truncation import triton as tt
 
     for vocab, dtype in cases:
-        for module in (ts, tl_loss, tt, td):
+        for module in (ts, tl_loss, tt, td, ti):
             for kernel_name, launch, name, absent in module.launches(vocab, BYTES[dtype]):
                 yield vocab, dtype, kernel_name, launch, name, absent
 

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "invariant.h"
 
 #define KLT_STR2(x) #x
 #define KLT_STR(x) KLT_STR2(x)
@@ -58,6 +59,13 @@ TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
       "jsd_backward(Tensor logits3d, Tensor ref3d, Tensor target, Tensor temperature, Tensor lse, Tensor ref_lse, "
       "Tensor beta, Tensor kl_student, Tensor coef) -> Tensor");
+  m.def("invariant_maxima(Tensor logits3d, Tensor target, Tensor? floor) -> Tensor");
+  m.def(
+      "invariant_sums(Tensor logits3d, Tensor target, Tensor temperature, Tensor row_max, Tensor? floor, "
+      "int wanted) -> Tensor");
+  m.def(
+      "invariant_forward(Tensor logits3d, Tensor target, Tensor temperature, Tensor? floor, int wanted) -> "
+      "Tensor[]");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
   m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
 }
@@ -78,6 +86,9 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("replay_scatter", &kltriton_cpp::replay_scatter);
   m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
   m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
+  m.impl("invariant_maxima", &kltriton_cpp::invariant_maxima);
+  m.impl("invariant_sums", &kltriton_cpp::invariant_sums);
+  m.impl("invariant_forward", &kltriton_cpp::invariant_forward);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
@@ -98,4 +109,7 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("replay_scatter", torch::CppFunction::makeFallthrough());
   m.impl("jsd_forward", torch::CppFunction::makeFallthrough());
   m.impl("jsd_backward", torch::CppFunction::makeFallthrough());
+  m.impl("invariant_maxima", torch::CppFunction::makeFallthrough());
+  m.impl("invariant_sums", torch::CppFunction::makeFallthrough());
+  m.impl("invariant_forward", torch::CppFunction::makeFallthrough());
 }

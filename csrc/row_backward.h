@@ -116,17 +116,27 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
       store_f2(g + v, grad_vec(x0, y0), grad_vec(x1, y1));
     }
   }
-  auto read = [&](int64_t i) {
-    const float xi = static_cast<float>(x[i]);
-    return (FLOOR && xi < floor) ? -kInf : xi;
-  };
-  for (; v < V; ++v) {
-    const float yv = READS_Y ? static_cast<float>(y[v]) : 0.f;
-    const float before = ADD ? static_cast<float>(g[v]) : 0.f;
-    g[v] = static_cast<T>(before + grad_scalar<MODE>(read(v), yv, k));
+  if (v < V) {
+    // The tail through the same vector code, padded with -inf (p = 0): an entry's gradient has the same bits
+    // wherever the row ends or its label is (vocab shards, LinearLogits tiles: the invariant mode relies on it).
+    const int64_t rem = V - v;
+    alignas(64) float bx[step], by[step], bg[step];
+    for (int64_t l = 0; l < step; ++l) {
+      bx[l] = l < rem ? static_cast<float>(x[v + l]) : -kInf;
+      by[l] = (READS_Y && l < rem) ? static_cast<float>(y[v + l]) : -kInf;
+    }
+    grad_vec(Vec::loadu(bx), Vec::loadu(by)).store(bg);
+    grad_vec(Vec::loadu(bx + kW), Vec::loadu(by + kW)).store(bg + kW);
+    for (int64_t l = 0; l < rem; ++l) {
+      const float before = ADD ? static_cast<float>(g[v + l]) : 0.f;
+      g[v + l] = static_cast<T>(before + bg[l]);
+    }
   }
+  // The label's entry: its p terms by the same vector code (every lane computes the same), plus the label term.
   const float yl = READS_Y ? static_cast<float>(y[label]) : 0.f;
-  g[label] = static_cast<T>(g_label + k.label + grad_scalar<MODE>(read(label), yl, k));
+  alignas(64) float at_label[kW];
+  grad_vec(Vec(static_cast<float>(x[label])), Vec(yl)).store(at_label);
+  g[label] = static_cast<T>(g_label + k.label + at_label[0]);
 }
 
 // backward_row from the forward's exponentials (the fused loss, loss_forward.cpp): p = e[v] * scale[b * kW + l]

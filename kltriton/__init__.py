@@ -13,6 +13,7 @@ from kltriton.functional.token_divergence import token_divergence
 from kltriton.functional.token_kl import KLOutput, token_kl
 from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.heads import lm_head_logits, score_with_lm_head
+from kltriton.invariant import set_invariant
 from kltriton.linear_logits import LinearLogits
 from kltriton.topk import TopK
 from kltriton.truncation import Truncation
@@ -45,6 +46,7 @@ __all__ = [
     "score_with_lm_head",
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
+    "set_invariant",
     "set_validation",
     "TopK",
     "token_divergence",

@@ -4,6 +4,7 @@
 |---|---|
 | ``KLTRITON_BACKEND`` | ``triton`` / ``cpp`` / ``reference``: the backend of every call that names none |
 | ``KLTRITON_LINEAR_TILE`` | elements of the ``LinearLogits`` working tile (an int >= 1) |
+| ``KLTRITON_INVARIANT`` | ``1``: start in the invariant mode (``kltriton.set_invariant``); read once, at import |
 | ``KLTRITON_CPU_GRAD_CACHE`` | ``0``: the C++ backend keeps no freed gradient buffer (read by ``csrc/``) |
 | ``KLTRITON_CPP_AOT`` | ``0``: ignore an ahead-of-time built C++ library |
 | ``KLTRITON_VERBOSE_BUILD`` | ``1``: show the compiler's output of the C++ JIT build |
@@ -50,6 +51,11 @@ def check_flags() -> None:
     off, anything else leaves it on, so a typo is caught here rather than silently ignored)."""
     for name in FLAGS:
         env_flag(name, True)
+
+
+def invariant_default() -> bool:
+    """``KLTRITON_INVARIANT``: whether kltriton starts in the invariant mode (default off)."""
+    return env_flag("KLTRITON_INVARIANT", False)
 
 
 def backend_override() -> Optional[str]:

@@ -28,6 +28,7 @@ FAMILIES = {
     "linear": "the stream statistics of logits given as hidden @ weight.T (GEMM tiles)",
     "truncation": "statistics of the top-k / top-p / min-p truncated distribution of each row",
     "divergence": "the generalized JSD's second pass (after the stream log-sum-exps) and its gradient",
+    "invariant": "row maxima and fixed-point sums, independent of how the vocabulary is cut (the invariant mode)",
 }
 COMPOSED = {"linear": ("stream", "loss", "divergence")}  # composed from these families of the same backend
 

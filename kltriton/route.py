@@ -13,6 +13,12 @@ rank's rows (``ops``) or over vocab shards (``parallel``):
 | the JSD's second pass (``token_divergence``)        | ``ops.divergence.jsd``          | ``parallel.shard_jsd``       |
 | the fused divergence loss (``token_divergence``)    | ``ops.divergence.divergence_loss`` | (two-pass)                |
 | a top-k teacher's columns (``token_divergence``)    | ``ops.divergence.columns``      | ``parallel.shard_columns``   |
+| statistics in the invariant mode (``kltriton.set_invariant``) | ``invariant.dense`` / ``invariant.linear`` (an LM head: GEMMs of one fixed shape) | the same: one all-reduce max and one int64 all-reduce (an LM head: per token tile) |
+| truncated statistics in the invariant mode (recompute) | ``invariant.floor``, then those above it | the same (the floor: ``sharded_floor``, fixed-point masses) |
+
+The invariant mode (``invariant.enabled()``) changes the routes of every function: the statistics go to
+``invariant_statistics`` (replay keeps its route, which is invariant already), ``policy_loss`` takes its two-pass
+route, and the exact KL over the vocabulary and ``token_divergence`` raise (``invariant.refuse``).
 
 ``policy_loss`` (``loss_route``) is ``"fused"`` (its gradient written in the forward) unless one of these holds,
 then ``"two-pass"`` (the statistics, the formulas of ``kernels.loss.terms`` in PyTorch, autograd; the logits are
@@ -25,19 +31,20 @@ read again in the backward):
 | the logits are vocab-sharded                                          | the derivative needs the global statistics   |
 | a truncation                                                          | the kept set is not a fused kernel's         |
 | a dense policy with an LM-head reference                              | the fused kernels read one kind of side      |
+| the invariant mode                                                    | its statistics are their own passes          |
 
 ``token_divergence`` (``divergence_route``) is ``"fused"`` with a reduction, a dense teacher (logits or an LM
 head), no vocab sharding and not a dense student with an LM-head teacher; else ``"two-pass"``.
 
-``parallel`` (vocab-parallel) is imported here and by the front door only.
+``parallel`` (vocab-parallel) is imported here, by the front door and by ``invariant`` (its collectives) only.
 """
 from typing import Optional
 
 import torch
 
-from kltriton import dispatch, parallel
+from kltriton import dispatch, invariant, parallel
 from kltriton.front_door import Call
-from kltriton.kernels import OUT_OF_RANGE
+from kltriton.kernels import OUT_OF_RANGE, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.divergence import KINDS, composed
 from kltriton.kernels.loss import terms
@@ -70,12 +77,36 @@ def statistics(call: Call, request: int) -> StreamStats:
     """``StreamStats`` (``[N]``) of the call's policy (and reference, no gradient) at its targets, differentiable
     w.r.t. the policy's logits or hidden states, weight and bias. With a truncation, of the policy's truncated
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
+    if invariant.enabled():
+        return invariant_statistics(call, request)
     if call.truncation is not None:
         return truncated_statistics(call._replace(ref=None), request)
     args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
     return StreamStats(*statistics_ops.statistics(*args))
+
+
+def invariant_statistics(call: Call, request: int) -> StreamStats:
+    """``statistics`` in the invariant mode: the policy's (truncated: ``truncated_statistics``) and the reference's,
+    each side in its own pass."""
+    invariant.check_request(request)
+    if call.truncation is not None:
+        return truncated_statistics(call._replace(ref=None), request)
+    name = backend(call, "invariant")
+    target, temperature = call.layout.target, call.temperature
+
+    def side_stats(side, side_request):
+        if side.weight is None:
+            return invariant.dense(side.x, target, temperature, None, side_request, name, call.shard)
+        return invariant.linear(side, target, temperature, side_request, name, call.tile_elements, call.shard)
+
+    stats = side_stats(call.policy, request & constants.ENTROPY)
+    if call.ref is None:
+        return stats
+    with torch.no_grad():
+        ref = side_stats(call.ref, 0)
+    return stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
 
 
 def reference_statistics(call: Call, request: int) -> StreamStats:
@@ -88,7 +119,8 @@ def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
     """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (the module docstring's rules). ``whole_sequences``: the
     loss's per-row inputs need the whole sequences' new log-probs."""
     fused = (loss_type in terms.FUSED and not whole_sequences and call.shard is None and call.truncation is None
-             and (call.policy.weight is not None or call.ref is None or call.ref.weight is None))
+             and (call.policy.weight is not None or call.ref is None or call.ref.weight is None)
+             and not invariant.enabled())
     return "fused" if fused else "two-pass"
 
 
@@ -127,8 +159,13 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
         return truncation_ops.replay_statistics(values, ids, target, temperature, request, name)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
     name = backend(call, "truncation")
+    fixed = invariant.enabled()
 
     def dense(rows, row_target, row_temperature, row_knobs):
+        if fixed:
+            floor = invariant.floor(rows, row_target, row_temperature, row_knobs, shard)
+            return invariant.dense(rows, row_target, row_temperature, floor, request & constants.ENTROPY,
+                                   backend(call, "invariant"), shard)
         if shard is not None:
             return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, request, name, shard)
         return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, request, name)[1]
@@ -142,6 +179,8 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
         row_temperature = temperature if temperature.dim() == 0 else temperature[start:stop]
         return dense(rows, target[start:stop], row_temperature, type(knobs)(*(k[start:stop] for k in knobs)))
 
+    if fixed:  # the logits of GEMMs of one shape, the same tiles on every rank
+        return truncation_linear.statistics(side, tile, invariant.head_rows(device), invariant.head)
     # Every rank must cut the rows into the same tiles (their floors take collectives): the widest shard decides.
     local_width = side.weight.shape[0]
     width = local_width if group is None else parallel.widest_shard(local_width, device, group)
@@ -153,6 +192,8 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
 
 def divergence_route(call: Call, reduction: str) -> str:
     """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (the module docstring's rule)."""
+    if invariant.enabled():
+        invariant.refuse("token_divergence")
     fused = (reduction != "none" and call.topk is None and call.shard is None
              and (call.policy.weight is not None or call.ref.weight is None))
     return "fused" if fused else "two-pass"
@@ -192,6 +233,8 @@ def columns(call: Call, ids, entropy: bool):
     padding: ``-inf``; 0 on unscored rows), differentiable w.r.t. the student; ``entropy`` the student's (``[0]``
     unless asked for). Local: one op (an LM head's statistics and columns from the same tiles); vocab-sharded: the
     statistics route for the global ``lse``, then the columns each shard holds, summed."""
+    if invariant.enabled():
+        invariant.refuse("token_divergence")
     target, temperature, shard = call.layout.target, call.temperature, call.shard
     if shard is None:
         logp, _, student_entropy = divergence_ops.columns(call.policy, ids, target, temperature, None, entropy,

@@ -17,6 +17,7 @@ Families:
 | ``stream`` | per-row softmax statistics streamed over ``[..., V]`` logits (log-prob, entropy, reference log-prob, exact KL) and their gradient |
 | ``linear`` | the ``stream`` statistics of logits given as ``hidden @ weight.T`` (``LinearLogits``), from GEMM tiles |
 | ``loss``   | a policy loss whose logits gradient is written in the forward (statistics, per-row coefficients, gradient) |
+| ``invariant`` | the ``stream`` family's log-prob, log-sum-exp and entropy from row maxima and int64 fixed-point sums, independent of how the vocabulary is cut (``kltriton.set_invariant``) |
 | ``divergence`` | the generalized JSD's second pass over a student and a teacher row (after both log-sum-exps) and its gradient; a divergence loss with its gradient in the forward |
 | ``truncation`` | the kept set of each row (top-k / top-p / min-p recomputed from the row, or the engine's ids replayed) and the statistics of the row restricted to it, and their gradient |
 

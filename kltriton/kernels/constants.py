@@ -42,7 +42,8 @@ def request_bits() -> int:
 # --- order-independent sums ----------------------------------------------------------------------------
 # A sum of values in [0, 1] (exp(z - max) of a row) as int64 in units of 2^-FIXED_POINT_BITS, each term truncated
 # toward zero: integer addition is associative, so the sum does not depend on the order of its terms or on how
-# many zero terms (padding) it has (replay: ``kltriton.kernels.truncation.replay``). Up to 2^(63 - bits) terms.
+# many zero terms (padding) it has (replay: ``kltriton.kernels.truncation.replay``; the invariant mode:
+# ``kltriton.kernels.invariant``). Up to 2^(63 - bits) terms.
 FIXED_POINT_BITS = 40
 
 # --- the loss family ------------------------------------------------------------------------------
@@ -59,8 +60,9 @@ HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp", "log_rati
 
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
 CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
-               "truncation.cpp", "divergence.cpp")
-CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h")
+               "truncation.cpp", "divergence.cpp", "invariant.cpp")
+CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h",
+               "invariant.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order

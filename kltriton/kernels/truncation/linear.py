@@ -4,7 +4,7 @@ one tile of rows at a time (``tile_rows x V`` fp32, the working tile) and each t
 tile (and its gradient) plus ``O(N)``."""
 import torch
 
-from kltriton.kernels.linear import scaled_and_capped
+from kltriton.kernels.linear import Side, scaled_and_capped
 from kltriton.kernels.statistics import StreamStats
 
 
@@ -21,31 +21,31 @@ def head(side, start: int, stop: int) -> torch.Tensor:
 
 class _Tiles(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows_fn, tile_rows, n, side_tensors, *params):
+    def forward(ctx, rows_fn, tile_rows, n, head_fn, side_tensors, *params):
         hidden, weight, bias = params
-        side = (hidden, weight, bias, *side_tensors)
+        side = Side(hidden, weight, bias, *side_tensors)
         parts = []
         with torch.no_grad():
             for start in range(0, n, tile_rows):
                 stop = min(start + tile_rows, n)
-                parts.append(rows_fn(head(side, start, stop), start, stop))
+                parts.append(rows_fn(head_fn(side, start, stop), start, stop))
         stats = StreamStats(*(torch.cat(values) for values in zip(*parts)))
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.meta = (rows_fn, tile_rows, n, side_tensors)
+        ctx.meta = (rows_fn, tile_rows, n, head_fn, side_tensors)
         ctx.set_materialize_grads(False)
         return tuple(stats)
 
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, bias = ctx.saved_tensors
-        rows_fn, tile_rows, n, side_tensors = ctx.meta
-        needs_grad = ctx.needs_input_grad[4:7]
+        rows_fn, tile_rows, n, head_fn, side_tensors = ctx.meta
+        needs_grad = ctx.needs_input_grad[5:8]
         leaves = [None if t is None else t.detach().requires_grad_(w) for t, w in zip((hidden, weight, bias), needs_grad)]
-        side = (*leaves, *side_tensors)
+        side = Side(*leaves, *side_tensors)
         for start in range(0, n, tile_rows):
             stop = min(start + tile_rows, n)
             with torch.enable_grad():
-                logits = head(side, start, stop)
+                logits = head_fn(side, start, stop)
                 tile = logits.detach().requires_grad_(True)
                 stats = rows_fn(tile, start, stop)
                 pairs = [(v, g[start:stop]) for v, g in zip(stats, grads)
@@ -56,15 +56,15 @@ class _Tiles(torch.autograd.Function):
                                                 allow_unused=True)
                 if d_tile is not None and any(needs_grad):
                     torch.autograd.backward(logits, d_tile)
-        return (None, None, None, None, *(None if leaf is None or not w else leaf.grad
+        return (None, None, None, None, None, *(None if leaf is None or not w else leaf.grad
                                           for leaf, w in zip(leaves, needs_grad)))
 
 
-def statistics(side, rows_fn, tile_rows: int) -> StreamStats:
+def statistics(side, rows_fn, tile_rows: int, head_fn=head) -> StreamStats:
     """``StreamStats`` of a ``LinearLogits`` side, ``rows_fn(logits_tile [t, V] fp32, start, stop)`` giving the
-    statistics of rows ``start:stop`` from their dense logits, ``tile_rows`` rows at a time; differentiable
-    w.r.t. hidden, weight and bias."""
+    statistics of rows ``start:stop`` from their dense logits, ``tile_rows`` rows at a time (built by
+    ``head_fn(side, start, stop)``, default ``head``); differentiable w.r.t. hidden, weight and bias."""
     hidden, weight, bias, scale, softcap = side
     n = hidden.reshape(-1, hidden.shape[-1]).shape[0]
-    return StreamStats(*_Tiles.apply(rows_fn, tile_rows, n, (scale, softcap), hidden, weight, bias))
+    return StreamStats(*_Tiles.apply(rows_fn, tile_rows, n, head_fn, (scale, softcap), hidden, weight, bias))
 

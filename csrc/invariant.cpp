@@ -1,0 +1,130 @@
+// The invariant family's ops on the CPU (kltriton/kernels/invariant/cpp.py): the row kernels of invariant.h, rows
+// in parallel. invariant_forward reads each row from memory once for both passes (the row stays in cache between
+// its maximum and its sums).
+#include "invariant.h"
+#include "row_forward.h"  // kEntropy
+
+namespace kltriton_cpp {
+namespace {
+
+// The optional floor as a pointer to N floats (nullptr: none).
+const float* floor_of(const std::optional<at::Tensor>& floor, int64_t N) {
+  if (!floor.has_value()) return nullptr;
+  TORCH_CHECK(floor->scalar_type() == at::kFloat && floor->is_contiguous() && floor->numel() == N,
+              "kltriton_cpp: floor must be a contiguous float32 tensor with one entry per row");
+  return floor->data_ptr<float>();
+}
+
+// fn(tag, floor_tag) with T the logits' C++ type and FLOOR whether a floor is given.
+template <typename F>
+void with_logits(const at::Tensor& logits3d, const float* floor, F&& fn) {
+  with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    if (floor != nullptr) {
+      fn(tag, std::true_type{});
+    } else {
+      fn(tag, std::false_type{});
+    }
+  });
+}
+
+// sums (1 or 2 rows of N) of row n given its maximum m, or 0 where the row is not read or m is not finite.
+template <typename T, bool FLOOR>
+void row_sums(const T* x, int64_t V, int64_t n, float m, bool read, bool entropy, const Temperatures& temp,
+              const float* floor, int64_t* mass, int64_t* weighted) {
+  mass[n] = 0;
+  if (entropy) weighted[n] = 0;
+  if (!read || !std::isfinite(m)) return;
+  const float c = invariant_scale(temp, n), f = FLOOR ? floor[n] : -kInf;
+  if (entropy) {
+    invariant_row_sums<T, FLOOR, true>(x, V, m, c, f, mass + n, weighted + n);
+  } else {
+    invariant_row_sums<T, FLOOR, false>(x, V, m, c, f, mass + n, nullptr);
+  }
+}
+
+at::Tensor new_sums(const at::Tensor& logits3d, int64_t N, int64_t wanted) {
+  return at::empty({(wanted & kEntropy) ? 2 : 1, N}, logits3d.options().dtype(at::kLong));
+}
+
+}  // namespace
+
+at::Tensor invariant_maxima(const at::Tensor& logits3d, const at::Tensor& target, const std::optional<at::Tensor>& floor) {
+  check_rows3d(logits3d, "logits");
+  const int64_t N = logits3d.size(0) * logits3d.size(1), V = logits3d.size(2);
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == N,
+              "kltriton_cpp: target must be a contiguous int64 tensor with one entry per row");
+  const float* pf = floor_of(floor, N);
+  at::Tensor out = at::empty({N}, logits3d.options().dtype(at::kFloat));
+  float* po = out.data_ptr<float>();
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const Rows3d X(logits3d);
+  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
+    using T = typename decltype(tag)::type;
+    constexpr bool FLOOR = decltype(has_floor)::value;
+    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        po[n] = tgt[n] >= 0 ? invariant_row_max<T, FLOOR>(X.row<T>(n), V, FLOOR ? pf[n] : -kInf) : -kInf;
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor invariant_sums(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
+                          const at::Tensor& row_max, const std::optional<at::Tensor>& floor, int64_t wanted) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  TORCH_CHECK(row_max.scalar_type() == at::kFloat && row_max.is_contiguous() && row_max.numel() == N,
+              "kltriton_cpp: row_max must be a contiguous float32 tensor with one entry per row");
+  const float* pf = floor_of(floor, N);
+  at::Tensor out = new_sums(logits3d, N, wanted);
+  const bool entropy = (wanted & kEntropy) != 0;
+  int64_t* mass = out.data_ptr<int64_t>();
+  int64_t* weighted = entropy ? mass + N : nullptr;
+  const float* pm = row_max.data_ptr<float>();
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
+  const Rows3d X(logits3d);
+  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
+    using T = typename decltype(tag)::type;
+    constexpr bool FLOOR = decltype(has_floor)::value;
+    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        row_sums<T, FLOOR>(X.row<T>(n), V, n, pm[n], tgt[n] >= 0, entropy, temp, pf, mass, weighted);
+      }
+    });
+  });
+  return out;
+}
+
+std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::Tensor& target,
+                                          const at::Tensor& temperature, const std::optional<at::Tensor>& floor,
+                                          int64_t wanted) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  const float* pf = floor_of(floor, N);
+  at::Tensor row_max = at::empty({N}, logits3d.options().dtype(at::kFloat));
+  at::Tensor out = new_sums(logits3d, N, wanted);
+  const bool entropy = (wanted & kEntropy) != 0;
+  int64_t* mass = out.data_ptr<int64_t>();
+  int64_t* weighted = entropy ? mass + N : nullptr;
+  float* pm = row_max.data_ptr<float>();
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
+  const Rows3d X(logits3d);
+  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
+    using T = typename decltype(tag)::type;
+    constexpr bool FLOOR = decltype(has_floor)::value;
+    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const T* x = X.row<T>(n);
+        const bool read = tgt[n] >= 0;
+        pm[n] = read ? invariant_row_max<T, FLOOR>(x, V, FLOOR ? pf[n] : -kInf) : -kInf;
+        row_sums<T, FLOOR>(x, V, n, pm[n], read, entropy, temp, pf, mass, weighted);
+      }
+    });
+  });
+  return {row_max, out};
+}
+
+}  // namespace kltriton_cpp
