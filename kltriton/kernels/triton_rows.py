@@ -53,6 +53,7 @@ STAT_FORWARD_KL = tl.constexpr([name for name, _ in constants.STATISTICS].index(
 TERM = {term: tl.constexpr(i) for i, term in enumerate(constants.GRADIENT_BASIS)}
 TERM_LABEL, TERM_P = TERM["label"], TERM["p"]
 TERM_P_LOGP, TERM_P_LOGQ, TERM_Q = TERM["p_logp"], TERM["p_logq"], TERM["q"]
+NUM_TERMS = tl.constexpr(len(constants.GRADIENT_BASIS))  # a row's coefficients in the stacked basis
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Exponents are kept in base-2 units. exp2 of anything below W_FLOOR is 0 in fp32, so clamping a
@@ -401,20 +402,21 @@ def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, 
 
 
 @triton.jit
-def load_basis(basis_ptr, n, row, TERMS: tl.constexpr):
-    """A row's gradient basis ``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` from the stacked ``[len(GRADIENT_BASIS),
-    N]`` coefficients (``stacked_basis``); the terms ``TERMS`` does not hold are 0."""
+def load_basis(basis_ptr, row, TERMS: tl.constexpr):
+    """A row's gradient basis ``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` from the ``[N, len(GRADIENT_BASIS)]``
+    coefficients (``stacked_basis``: a row's terms adjacent, at constant offsets from one address); the terms
+    ``TERMS`` does not hold are 0."""
+    coefficients = basis_ptr + row.to(tl.int64) * NUM_TERMS
     c_p_logp = 0.0
     c_p_logq = 0.0
     c_q = 0.0
     if BASIS_P_LOGP & TERMS:
-        c_p_logp = tl.load(basis_ptr + TERM_P_LOGP * n + row)
+        c_p_logp = tl.load(coefficients + TERM_P_LOGP)
     if BASIS_P_LOGQ & TERMS:
-        c_p_logq = tl.load(basis_ptr + TERM_P_LOGQ * n + row)
+        c_p_logq = tl.load(coefficients + TERM_P_LOGQ)
     if BASIS_Q & TERMS:
-        c_q = tl.load(basis_ptr + TERM_Q * n + row)
-    return (tl.load(basis_ptr + TERM_LABEL * n + row), tl.load(basis_ptr + TERM_P * n + row), c_p_logp, c_p_logq,
-            c_q)
+        c_q = tl.load(coefficients + TERM_Q)
+    return tl.load(coefficients + TERM_LABEL), tl.load(coefficients + TERM_P), c_p_logp, c_p_logq, c_q
 
 
 @triton.jit
@@ -464,10 +466,10 @@ def grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS: 
 # --- stacked outputs and inputs (host side) ----------------------------------------------------------------------
 
 def stacked_basis(basis):
-    """``(coefficients, terms)``: a ``statistics.Basis`` as one contiguous ``[len(GRADIENT_BASIS), N]`` fp32 tensor
+    """``(coefficients, terms)``: a ``statistics.Basis`` as one contiguous ``[N, len(GRADIENT_BASIS)]`` fp32 tensor
     (absent terms 0) and the bits of its optional terms."""
     import torch
 
     terms = sum(bit for term, bit in constants.BASIS_BITS.items() if getattr(basis, term) is not None)
     zero = torch.zeros_like(basis.label, dtype=torch.float32)
-    return torch.stack([zero if c is None else c.to(torch.float32) for c in basis]), terms
+    return torch.stack([zero if c is None else c.to(torch.float32) for c in basis], dim=1), terms

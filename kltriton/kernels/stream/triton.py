@@ -144,8 +144,8 @@ def _stream_backward_kernel(
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     target_ptr,                 # [N] int64
     lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
-    basis_ptr,                  # [len(GRADIENT_BASIS), N] fp32 gradient basis (/ T), absent terms not read
-    n, vocab,
+    basis_ptr,                  # [N, len(GRADIENT_BASIS)] fp32 gradient basis (/ T), absent terms not read
+    vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -156,13 +156,13 @@ def _stream_backward_kernel(
     if live:
         inv_temperature, x = tr.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
                                                logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        basis = tr.load_basis(basis_ptr, n, row, TERMS)
         y = x
         ref_lse = 0.0
         if (tr.BASIS_P_LOGQ | tr.BASIS_Q) & TERMS:
             ref_lse = tl.load(ref_lse_ptr + row)
             y_row = ref_ptr + tr.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+        basis = tr.load_basis(basis_ptr, row, TERMS)
         grad = tr.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
@@ -200,7 +200,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     launch = _backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
         *tr.view_args(logits), *tr.view_args(ref_logits if with_ref else None), grad, target,
-        lse, ref_lse if with_ref else None, coefficients, n, vocab, temperature, 1 if temperature.dim() else 0,
+        lse, ref_lse if with_ref else None, coefficients, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad
