@@ -369,3 +369,27 @@ def test_raw_logprobs_are_kltriton_bitwise(tiny_llama, monkeypatch):
     assert compared > 1500
     assert vllm_differs > 0
     assert counts["checked_rows"] == 0 and counts["unreplaced_steps"] == 0
+
+
+def test_invariant_mode_engine_equals_trainer(tiny_llama, monkeypatch):
+    """``set_invariant(True)`` on both sides (the engine runs in this process here; in vLLM's own processes
+    ``KLTRITON_INVARIANT=1``): every returned log-prob is still the trainer-side call's, bit for bit. The mode gives
+    other bits than the default on such rows, so a side left in the default mode would fail this."""
+    x, ids = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 8, torch.arange(64)
+    previous = kltriton.set_invariant(True)
+    try:
+        assert not torch.equal(kltriton.token_logprobs(x, ids), _default_mode_logprobs(x, ids))
+        compared, vllm_differs, _, counts = _check_engine(tiny_llama, monkeypatch, "processed_logprobs")
+    finally:
+        kltriton.set_invariant(previous)
+    print(f"invariant mode, processed: {compared} log-probs bitwise, {vllm_differs} differ from vLLM's own; {counts}")
+    assert compared > 1500 and vllm_differs > 0
+    assert counts["kept_set_mismatches"] == 0 and counts["unreplaced_steps"] == 0
+
+
+def _default_mode_logprobs(x, ids):
+    previous = kltriton.set_invariant(False)
+    try:
+        return kltriton.token_logprobs(x, ids)
+    finally:
+        kltriton.set_invariant(previous)
