@@ -269,12 +269,15 @@ def hyperparameters(device, **values) -> torch.Tensor:
     unknown = set(values) - set(SLOT)
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}; slots: {constants.HYPERPARAMETERS}")
-    off = {"kl_ratio": 0.0}
+    # One tensor per distinct "off" value, shared by every slot that is off: on a GPU each small tensor is a kernel
+    # launch, and most of the 20 slots are off in any one call.
+    inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
+    off = {"kl_ratio": torch.zeros((), dtype=torch.float64, device=device)}
 
     def slot(name):
         value = values.get(name)
         if value is None:
-            value = off.get(name, float("inf"))
+            return off.get(name, inf)
         if isinstance(value, torch.Tensor):
             return value.to(device=device, dtype=torch.float64)
         return torch.ones((), dtype=torch.float64, device=device) * value
