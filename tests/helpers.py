@@ -151,3 +151,35 @@ def leave_world():
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
     finally:
         dist.destroy_process_group()
+
+
+def spawned_backends(family="stream"):
+    """The backends a spawned gloo world runs ``family`` on: reference and C++ where usable, Triton through its
+    interpreter only (gloo takes CPU tensors)."""
+    from kltriton import dispatch
+
+    usable = [b for b in ("reference", "cpp") if dispatch.availability(b, family)[0]]
+    if dispatch.availability("triton", family)[0] and dispatch.triton_interpreted():
+        usable.append("triton")
+    return usable
+
+
+def record(report, key, case, *args):
+    """Run ``case(*args)`` in a spawned rank: ``report[key]`` is ``"ok"`` or the traceback, for the parent to assert."""
+    import traceback
+
+    try:
+        case(*args)
+        report[key] = "ok"
+    except Exception:  # noqa: BLE001 - reported per case to the parent
+        report[key] = traceback.format_exc()
+
+
+def close_rank(report_dir, rank, report):
+    """Write a spawned rank's report (``rank<r>.json``) and leave the world (``leave_world``)."""
+    import json
+    import os
+
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    leave_world()

@@ -19,7 +19,6 @@ seconds, so one spawn per world size runs every case and the tests read its repo
 import json
 import os
 import tempfile
-import traceback
 from typing import NamedTuple
 
 import pytest
@@ -28,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, leave_world, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, record, value_atol
 
 B, T, V, N, H = 3, 11, 67, 17, 16
 SPLITS = {2: (7, 4), 3: (3, 5, 3)}        # T = 11 over the ranks, uneven
@@ -522,16 +521,9 @@ def _worker(rank, world, init_file, report_dir, backend):
     try:
         for key, run in _runs(world):
             for dtype, name in ((torch.float32, backend), (torch.float64, "reference")):
-                label = f"{key}-{str(dtype)[6:]}"
-                try:
-                    run(world, rank, group, dtype, name)
-                    report[label] = "ok"
-                except Exception:  # noqa: BLE001 - reported per case to the parent
-                    report[label] = traceback.format_exc()
+                record(report, f"{key}-{str(dtype)[6:]}", run, world, rank, group, dtype, name)
     finally:
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        leave_world()
+        close_rank(report_dir, rank, report)
 
 
 _REPORTS = {}

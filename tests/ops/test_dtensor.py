@@ -24,8 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, assert_close, leave_world, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, leave_world, record, spawned_backends, value_atol
 
 VOCAB = 1001
 
@@ -318,23 +317,9 @@ def _worker(rank, world, init_file, report_dir, backends, meshes):
                     if backend == "triton" and name not in TRITON_CASES:
                         continue
                     for dtype in (torch.float32, torch.bfloat16) if backend != "triton" else (torch.float32,):
-                        key = f"{name}-{shape}-{backend}-{str(dtype)[6:]}"
-                        try:
-                            case(mesh, backend, dtype)
-                            report[key] = "ok"
-                        except Exception:  # noqa: BLE001 - reported per case to the parent
-                            report[key] = traceback.format_exc()
+                        record(report, f"{name}-{shape}-{backend}-{str(dtype)[6:]}", case, mesh, backend, dtype)
     finally:
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        leave_world()
-
-
-def _backends():
-    usable = [b for b in ("reference", "cpp") if dispatch.availability(b, "stream")[0]]
-    if dispatch.availability("triton", "stream")[0] and dispatch.triton_interpreted():
-        usable.append("triton")
-    return usable
+        close_rank(report_dir, rank, report)
 
 
 MESHES = ([2], [1, 2], [2, 1])
@@ -343,7 +328,7 @@ MESHES = ([2], [1, 2], [2, 1])
 @pytest.fixture(scope="module")
 def reports():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp, _backends(), MESHES), nprocs=2)
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp, spawned_backends(), MESHES), nprocs=2)
         out = []
         for rank in range(2):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:

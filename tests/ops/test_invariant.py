@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import traceback
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, grad_tols, leave_world, random_labels, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, grad_tols, random_labels, record, spawned_backends, value_atol
 from kltriton import dispatch
 from kltriton.kernels.constants import ENTROPY
 from kltriton.kernels.linear import fixed
@@ -472,23 +471,9 @@ def _worker(rank, world, init_file, report_dir, backends):
                 if backend == "triton" and name not in TRITON_CASES:
                     continue
                 for dtype in DTYPES.get(name, (torch.float32,)):
-                    key = f"{name}-{backend}-{str(dtype)[6:]}"
-                    try:
-                        case(shard, backend, dtype)
-                        report[key] = "ok"
-                    except Exception:  # noqa: BLE001 - reported per case to the parent
-                        report[key] = traceback.format_exc()
+                    record(report, f"{name}-{backend}-{str(dtype)[6:]}", case, shard, backend, dtype)
     finally:
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        leave_world()
-
-
-def _backends():
-    usable = [b for b in ("reference", "cpp") if dispatch.availability(b, "invariant")[0]]
-    if dispatch.availability("triton", "invariant")[0] and dispatch.triton_interpreted():  # CPU tensors: gloo
-        usable.append("triton")
-    return usable
+        close_rank(report_dir, rank, report)
 
 
 @pytest.fixture(scope="module")
@@ -498,7 +483,7 @@ def reports():
     def get(world):
         if world not in done:
             with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, _backends()), nprocs=world)
+                mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, spawned_backends("invariant")), nprocs=world)
                 done[world] = []
                 for rank in range(world):
                     with open(os.path.join(tmp, f"rank{rank}.json")) as f:

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import kltriton
 from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, leave_world, value_atol
+from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, close_rank, leave_world, record, spawned_backends, value_atol
 
 SHARDS = {2: (300, 207), 3: (400, 300, 301)}  # V = 507 and V = 1001, uneven
 DTYPES = (torch.float32, torch.bfloat16)
@@ -409,23 +409,9 @@ def _worker(rank, world, init_file, report_dir, backends, names):
                 if backend == "triton" and name not in TRITON_CASES:
                     continue
                 for dtype in DTYPES if backend != "triton" else (torch.float32,):
-                    key = f"{name}-{backend}-{str(dtype)[6:]}"
-                    try:
-                        case(shard, backend, dtype)
-                        report[key] = "ok"
-                    except Exception:  # noqa: BLE001 - reported per case to the parent
-                        report[key] = traceback.format_exc()
+                    record(report, f"{name}-{backend}-{str(dtype)[6:]}", case, shard, backend, dtype)
     finally:
-        with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-        leave_world()
-
-
-def _backends():
-    usable = [b for b in ("reference", "cpp") if dispatch.availability(b, "stream")[0]]
-    if dispatch.availability("triton", "stream")[0] and dispatch.triton_interpreted():  # CPU tensors: gloo
-        usable.append("triton")
-    return usable
+        close_rank(report_dir, rank, report)
 
 
 def _spawn(world, names, backends):
@@ -447,7 +433,7 @@ def reports():
     def get(world):
         if world not in done:
             names = list(CASES) + (["bad_input"] if world == 2 else [])
-            done[world] = _spawn(world, names, _backends())
+            done[world] = _spawn(world, names, spawned_backends())
         return done[world]
     return get
 
