@@ -4,6 +4,8 @@
 #include "invariant.h"
 #include "row_forward.h"  // kEntropy
 
+#include <type_traits>
+
 namespace kltriton_cpp {
 namespace {
 
@@ -70,45 +72,17 @@ at::Tensor invariant_maxima(const at::Tensor& logits3d, const at::Tensor& target
   return out;
 }
 
-at::Tensor invariant_sums(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
-                          const at::Tensor& row_max, const std::optional<at::Tensor>& floor, int64_t wanted) {
-  int64_t N, V;
-  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
-  TORCH_CHECK(row_max.scalar_type() == at::kFloat && row_max.is_contiguous() && row_max.numel() == N,
-              "kltriton_cpp: row_max must be a contiguous float32 tensor with one entry per row");
-  const float* pf = floor_of(floor, N);
-  at::Tensor out = new_sums(logits3d, N, wanted);
-  const bool entropy = (wanted & kEntropy) != 0;
-  int64_t* mass = out.data_ptr<int64_t>();
-  int64_t* weighted = entropy ? mass + N : nullptr;
-  const float* pm = row_max.data_ptr<float>();
-  const int64_t* tgt = target.data_ptr<int64_t>();
-  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
-  const Rows3d X(logits3d);
-  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
-    using T = typename decltype(tag)::type;
-    constexpr bool FLOOR = decltype(has_floor)::value;
-    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        row_sums<T, FLOOR>(X.row<T>(n), V, n, pm[n], tgt[n] >= 0, entropy, temp, pf, mass, weighted);
-      }
-    });
-  });
-  return out;
-}
+namespace {
 
-std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::Tensor& target,
-                                          const at::Tensor& temperature, const std::optional<at::Tensor>& floor,
-                                          int64_t wanted) {
-  int64_t N, V;
-  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
-  const float* pf = floor_of(floor, N);
-  at::Tensor row_max = at::empty({N}, logits3d.options().dtype(at::kFloat));
+// The rows' fixed-point sums ([1 or 2, N] int64: mass, and the entropy's weighted sum if `wanted` asks) around the
+// row maxima that `maximum(x, n, read, has_floor)` gives for row n (x its logits, read: the row is scored).
+template <typename Maximum>
+at::Tensor sums_around(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
+                       const float* pf, int64_t N, int64_t V, int64_t wanted, Maximum maximum) {
   at::Tensor out = new_sums(logits3d, N, wanted);
   const bool entropy = (wanted & kEntropy) != 0;
   int64_t* mass = out.data_ptr<int64_t>();
   int64_t* weighted = entropy ? mass + N : nullptr;
-  float* pm = row_max.data_ptr<float>();
   const int64_t* tgt = target.data_ptr<int64_t>();
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   const Rows3d X(logits3d);
@@ -119,10 +93,40 @@ std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::
       for (int64_t n = begin; n < end; ++n) {
         const T* x = X.row<T>(n);
         const bool read = tgt[n] >= 0;
-        pm[n] = read ? invariant_row_max<T, FLOOR>(x, V, FLOOR ? pf[n] : -kInf) : -kInf;
-        row_sums<T, FLOOR>(x, V, n, pm[n], read, entropy, temp, pf, mass, weighted);
+        row_sums<T, FLOOR>(x, V, n, maximum(x, n, read, has_floor), read, entropy, temp, pf, mass, weighted);
       }
     });
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor invariant_sums(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
+                          const at::Tensor& row_max, const std::optional<at::Tensor>& floor, int64_t wanted) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  TORCH_CHECK(row_max.scalar_type() == at::kFloat && row_max.is_contiguous() && row_max.numel() == N,
+              "kltriton_cpp: row_max must be a contiguous float32 tensor with one entry per row");
+  const float* pm = row_max.data_ptr<float>();
+  return sums_around(logits3d, target, temperature, floor_of(floor, N), N, V, wanted,
+                     [&](const auto*, int64_t n, bool, auto) { return pm[n]; });
+}
+
+std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::Tensor& target,
+                                          const at::Tensor& temperature, const std::optional<at::Tensor>& floor,
+                                          int64_t wanted) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  const float* pf = floor_of(floor, N);
+  at::Tensor row_max = at::empty({N}, logits3d.options().dtype(at::kFloat));
+  float* pm = row_max.data_ptr<float>();
+  at::Tensor out = sums_around(logits3d, target, temperature, pf, N, V, wanted,
+                               [&](const auto* x, int64_t n, bool read, auto has_floor) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(x)>>;
+    constexpr bool FLOOR = decltype(has_floor)::value;
+    pm[n] = read ? invariant_row_max<T, FLOOR>(x, V, FLOOR ? pf[n] : -kInf) : -kInf;
+    return pm[n];
   });
   return {row_max, out};
 }
