@@ -1,15 +1,16 @@
-"""``python -m benchmarks ab OLD_TREE``: this checkout against another one (a commit before a change) on the same
-machine, in interleaved pairs.
+"""``python -m benchmarks ab OLD_TREE``: this checkout's kltriton against another one's (a commit before a change)
+on the same machine, in interleaved pairs.
 
-Each round runs ``python -m benchmarks run`` once in each tree, in alternating order (old, new; new, old; ...), so a
-machine that speeds up or slows down over the minutes weighs on both sides alike. For every kltriton row (op,
-backend, mode, shape, dtype, mask) the ratio ``new / old`` of the two medians is taken within each round, and the
-median of those ratios over the rounds is reported with their min and max: a pair ratio is what survives a shared,
-drifting machine, where two separate runs' absolute times do not (``compare``). A gated row (``compare.GATED``) is a
-regression when its median ratio exceeds ``1 + threshold`` and every round's ratio is above 1.
-
-The trees must both have ``benchmarks/``; each run imports its own tree's kltriton (``PYTHONPATH``, working
-directory), and builds its own C++ library (cached by the hash of its sources).
+Both sides are timed by this checkout's harness (``benchmarks/``): each run sees one tree's ``kltriton`` through a
+directory of two links, ``benchmarks`` (this checkout's) and ``kltriton`` (the tree's), so only the library differs
+and the old tree needs no benchmark code of its own (its C++ library builds from its own ``csrc``, cached by the
+hash of its sources). Each round runs ``python -m benchmarks run`` once per tree, in alternating order (old, new;
+new, old; ...), so a machine that speeds up or slows down over the minutes weighs on both sides alike. For every
+row (op, backend, mode, shape, dtype, mask) the ratio ``new / old`` of the two medians is taken within each round,
+and the median of those ratios over the rounds is reported with their min and max: a pair ratio is what survives a
+shared, drifting machine, where two separate runs' absolute times do not (``compare``). A gated row
+(``compare.GATED``) is a regression when its median ratio exceeds ``1 + threshold`` and every round's ratio is
+above 1. By default only the gated backends are timed, without the peak-memory processes.
 """
 import json
 import os
@@ -24,19 +25,24 @@ from benchmarks.compare import EXIT_OK, EXIT_REGRESSION, GATED, KEY, THRESHOLD
 NEW_TREE = Path(__file__).resolve().parent.parent
 
 
-def _run(tree: Path, grid: str, ops, device: str, out: Path) -> dict:
-    """``{row key: median ms}`` of one ``benchmarks run`` in ``tree``."""
+def _run(tree: Path, grid: str, ops, device: str, methods, out: Path) -> dict:
+    """``{row key: median ms}`` of one ``benchmarks run`` of this checkout's harness on ``tree``'s kltriton."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-m", "benchmarks", "run", "--device", device, "--grid", grid, "--ops", *ops,
-                    "--out", str(out)], cwd=str(tree), env=env, check=True, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory() as view:
+        (Path(view) / "benchmarks").symlink_to(NEW_TREE / "benchmarks")
+        (Path(view) / "kltriton").symlink_to(tree / "kltriton")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [view, os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-m", "benchmarks", "run", "--device", device, "--grid", grid, "--ops", *ops,
+                        "--methods", *methods, "--no-memory", "--out", str(out)], cwd=view, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
     (path,) = out.glob("*.json")
     rows = json.loads(path.read_text())
     return {tuple(r[k] for k in KEY): r["time_ms_median"] for r in rows
             if r["kind"] != "bandwidth" and r["time_ms_median"] is not None}
 
 
-def ab(old_tree: Path, rounds: int, grid: str, ops, device: str, threshold: float = THRESHOLD, out=None) -> int:
+def ab(old_tree: Path, rounds: int, grid: str, ops, device: str, threshold: float = THRESHOLD, out=None,
+       methods=GATED) -> int:
     old_tree = Path(old_tree).resolve()
     ratios = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,7 +50,7 @@ def ab(old_tree: Path, rounds: int, grid: str, ops, device: str, threshold: floa
             order = [("old", old_tree), ("new", NEW_TREE)]
             if r % 2:
                 order.reverse()
-            times = {name: _run(tree, grid, ops, device, Path(tmp) / f"{r}-{name}") for name, tree in order}
+            times = {name: _run(tree, grid, ops, device, methods, Path(tmp) / f"{r}-{name}") for name, tree in order}
             for key, new_ms in times["new"].items():
                 if key in times["old"] and times["old"][key] > 0:
                     ratios.setdefault(key, []).append(new_ms / times["old"][key])

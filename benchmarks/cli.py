@@ -1,5 +1,6 @@
 """Command line: ``python -m benchmarks run | compare | ab | plot | static | gpu`` (see ``--help`` of each)."""
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
@@ -21,6 +22,8 @@ def _parser():
     run.add_argument("--grid", choices=tuple(harness.GRIDS), default="small")
     run.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     run.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON (default benchmarks/results)")
+    run.add_argument("--methods", nargs="+", default=(), help="only these methods (e.g. cpp eager; default: all)")
+    run.add_argument("--no-memory", action="store_true", help="CPU: skip the peak-memory processes")
     gate_help = (f"exit {compare.EXIT_REGRESSION} when a kltriton row got slower than OLD beyond noise, else "
                  f"{compare.EXIT_UNRELIABLE} when one cannot be judged (a flagged row, a bandwidth drift beyond "
                  f"--max-drift), else {compare.EXIT_OK}")
@@ -44,6 +47,8 @@ def _parser():
     pairs.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     pairs.add_argument("--threshold", type=float, default=compare.THRESHOLD)
     pairs.add_argument("--out", type=Path, default=None, help="write the ratios as JSON here")
+    pairs.add_argument("--methods", nargs="+", default=list(compare.GATED),
+                       help="the methods timed (default: the gated kltriton backends)")
     plot = sub.add_parser("plot", help="write PNG plots next to a results JSON (needs matplotlib)")
     plot.add_argument("results", type=Path)
     sub.add_parser("static", help="compile every Triton kernel for sm_90, report registers, spills, SASS per element")
@@ -57,9 +62,10 @@ def _run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is available")
         return 2
+    grid = dataclasses.replace(harness.GRIDS[args.grid], only=tuple(args.methods), memory=not args.no_memory)
     rows = []
     for op in args.ops:
-        rows += harness.run_op(importlib.import_module(f"benchmarks.bench_{op}"), harness.GRIDS[args.grid], args.device)
+        rows += harness.run_op(importlib.import_module(f"benchmarks.bench_{op}"), grid, args.device)
     slug = re.sub(r"[^a-z0-9]+", "-", rows[0]["device_name"].lower()).strip("-")[:40]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +113,7 @@ def main(argv=None) -> int:
     if args.command == "ab":
         from benchmarks.ab import ab
 
-        return ab(args.old_tree, args.rounds, args.grid, args.ops, args.device, args.threshold, args.out)
+        return ab(args.old_tree, args.rounds, args.grid, args.ops, args.device, args.threshold, args.out, args.methods)
     from benchmarks.plot import plot
 
     for path in plot(args.results):

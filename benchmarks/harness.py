@@ -59,6 +59,8 @@ class Grid:
     skip: tuple = ()           # method names not run on this grid
     cpu_target_s: float = 0.3  # CPU: repeat until about this much time is spent (3..20 repeats)
     cpu_rounds: int = 3        # CPU: time every row this many times, round-robin over the case's rows
+    only: tuple = ()           # if given, the only method names run (``run --methods``)
+    memory: bool = True        # CPU: the peak memory of every timed row, from a fresh process per case
 
 
 def _full_grid():
@@ -436,7 +438,7 @@ def _run_cases(op, grid: Grid, device: str, log) -> list:
                                  note="measured on this case's logits, in the same rounds as the rows"))
         del inputs
         gc.collect()
-        if device == "cpu":
+        if device == "cpu" and grid.memory:
             _fill_cpu_memory(op, case, case_rows)
         flag_implausible(case_rows)
         for row in case_rows:
@@ -456,7 +458,8 @@ def _time_case(env, op, case, inputs, device, grid):
     rounds = grid.cpu_rounds if device == "cpu" else 1
     case_rows, timed = [], []  # timed: (row, factory, mode, samples)
     for name, (kind, factory) in op.methods(device).items():
-        note = "skipped on this grid" if name in grid.skip else None
+        skipped = name in grid.skip or (grid.only and name not in grid.only)
+        note = "skipped on this grid" if skipped else None
         if note is None:
             try:
                 factory(inputs)  # raises Unavailable when the method cannot run here

@@ -262,3 +262,22 @@ def test_plot_warns_instead_of_writing_empty_figures(tmp_path):
     with pytest.warns(UserWarning, match="memory_vs_tokens.png: nothing to plot for token_kl; not written"):
         paths = plot(results)
     assert [p.name for p in paths] == ["no_memory_time_vs_vocab.png", "no_memory_roofline.png"]
+
+
+def test_ab_times_each_tree_s_kltriton_with_this_harness(tmp_path):
+    """``ab`` of this checkout against itself: one row per timed method, mode and case, only the methods asked for,
+    a ratio per round; the old tree needs only its ``kltriton`` (a copy without ``benchmarks/``)."""
+    import shutil
+    from pathlib import Path
+
+    from benchmarks.ab import ab
+
+    old = tmp_path / "old"
+    shutil.copytree(Path(harness.REPO) / "kltriton", old / "kltriton", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(harness.REPO) / "csrc", old / "csrc")
+    out = tmp_path / "ab.json"
+    assert ab(old, rounds=1, grid="smoke", ops=["token_logprobs"], device="cpu", out=out,
+              methods=["reference"]) in (compare.EXIT_OK, compare.EXIT_REGRESSION)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["backend"], r["mode"]) for r in rows} == {("reference", mode) for mode in harness.MODES}
+    assert all(r["rounds"] == 1 and r["ratio_median"] > 0 for r in rows)
