@@ -28,7 +28,7 @@ from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.invariant import pack, unpack
 from kltriton.kernels.linear import Side, fixed
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 from kltriton.ops import invariant as invariant_ops
 from kltriton.ops import statistics as statistics_ops

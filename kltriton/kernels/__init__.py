@@ -23,7 +23,7 @@ Families:
 
 Shared by the families: ``constants.py`` (the one table of values shared with the C++ and Triton code),
 ``statistics.py`` (the per-row statistics, declared once: bundle, merge, gradient basis), ``triton_rows.py``
-(the Triton row helpers), ``rows.py`` (row addressing), ``cpp_library.py`` (building / loading ``csrc/``).
+(the Triton row helpers), ``row_views.py`` (row addressing), ``cpp_library.py`` (building / loading ``csrc/``).
 """
 import torch
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kltriton.kernels import constants
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 
 # Globals read inside a kernel must be tl.constexpr: a plain Python global compiles under the
 # interpreter but is an error for the real compiler.
@@ -176,13 +176,13 @@ def _frame(m):
 
 
 @triton.jit
-def _shift(f_old, f_new, c2, floor):
+def _shift(f_old, f_new, log2e_over_t, floor):
     """Base-2 exponent moving sums from frame ``f_old`` to ``f_new``, clamped into ``[floor, 0]``.
 
     It is ``<= 0`` whenever the old sums are non-zero (``f_new`` is the larger max); the clamp only
     touches the placeholder frame of an all ``-inf`` state and overflowing differences (``finfo.min``
     logits), so no ``inf * 0`` reaches the sums."""
-    return tl.minimum(tl.maximum((f_old - f_new) * c2, floor), 0.0)
+    return tl.minimum(tl.maximum((f_old - f_new) * log2e_over_t, floor), 0.0)
 
 
 @triton.jit
@@ -200,19 +200,19 @@ def _scaled(x, frame):
 
 
 @triton.jit
-def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
+def _rescale(state, m_new, my_new, log2e_over_t, WANT: tl.constexpr):
     """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``. A lane whose old
     mass vanishes in the move (``alpha = 0``) keeps no KL term, even an infinite one."""
     m, s, t, my, sy, u, v = state
     f_new = _frame(m_new)
-    d = _shift(_frame(m), f_new, c2, W_FLOOR)
+    d = _shift(_frame(m), f_new, log2e_over_t, W_FLOOR)
     alpha = tl.exp2(d)
     s_moved = s * alpha
     if WANT_ENTROPY & WANT:
         t = alpha * t + s_moved * d
     if WANT_REF & WANT:
         fy_new = _frame(my_new)
-        dy = _shift(_frame(my), fy_new, c2, W_FLOOR)
+        dy = _shift(_frame(my), fy_new, log2e_over_t, W_FLOOR)
         alpha_y = tl.exp2(dy)
         sy = sy * alpha_y
         dh = _scaled(_frame(m), f_new)  # the frames' moves in the units of h: finite, <= 0
@@ -225,16 +225,16 @@ def _rescale(state, m_new, my_new, c2, WANT: tl.constexpr):
 
 
 @triton.jit
-def fold(x, y, state, c2, WANT: tl.constexpr):
+def fold(x, y, state, log2e_over_t, WANT: tl.constexpr):
     """Fold tiles ``x`` / ``y`` ``[SUBTILES, LANES, VEC]`` (fp32 logits, ``-inf`` = absent) into the per-lane
     ``state`` ``[LANES]``: each lane reduces only the values it holds, so no lane waits for another."""
     m_new = tl.maximum(state[0], tl.max(tl.max(x, axis=2), axis=0))
     my_new = state[3]
     if WANT_REF & WANT:
         my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
-    m, s, t, my, sy, u, v = _rescale(state, m_new, my_new, c2, WANT)
+    m, s, t, my, sy, u, v = _rescale(state, m_new, my_new, log2e_over_t, WANT)
     h = _scaled(x, _frame(m)[None, :, None])
-    w = h * (c2 / H)  # the bits of (x - frame) * c2
+    w = h * (log2e_over_t / H)  # the bits of (x - frame) * log2e_over_t
     if WANT_ENTROPY & WANT:
         w = tl.maximum(w, W_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN logit stays NaN
     e = tl.exp2(w)
@@ -243,7 +243,7 @@ def fold(x, y, state, c2, WANT: tl.constexpr):
         t += tl.sum(tl.sum(e * w, axis=2), axis=0)
     if WANT_REF & WANT:
         hy = _scaled(y, _frame(my)[None, :, None])
-        ey = tl.exp2(hy * (c2 / H))
+        ey = tl.exp2(hy * (log2e_over_t / H))
         sy += tl.sum(tl.sum(ey, axis=2), axis=0)
         if WANT_FULL_KL & WANT:
             # A token the reference bans (hy = -inf) that the policy uses gives KL = inf.
@@ -255,13 +255,13 @@ def fold(x, y, state, c2, WANT: tl.constexpr):
 
 
 @triton.jit
-def merge(state, c2, WANT: tl.constexpr):
+def merge(state, log2e_over_t, WANT: tl.constexpr):
     """Combine a vector of states (lanes, or vocab chunks) into one scalar state, in a fixed order."""
     m_all = tl.max(state[0], axis=0)
     my_all = m_all
     if WANT_REF & WANT:
         my_all = tl.max(state[3], axis=0)
-    m, s, t, my, sy, u, v = _rescale(state, m_all, my_all, c2, WANT)
+    m, s, t, my, sy, u, v = _rescale(state, m_all, my_all, log2e_over_t, WANT)
     return m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0), tl.sum(v, axis=0)
 
 
@@ -275,7 +275,7 @@ def below_floor_absent(x, floor):
 
 
 @triton.jit
-def stream_chunk(x_row, y_row, lo, hi, c2, WANT: tl.constexpr, SUBTILES: tl.constexpr, LANES: tl.constexpr,
+def stream_chunk(x_row, y_row, lo, hi, log2e_over_t, WANT: tl.constexpr, SUBTILES: tl.constexpr, LANES: tl.constexpr,
                  VEC: tl.constexpr, floor=None):
     """Merged state of vocab entries ``[lo, hi)`` of one row: full tiles without a mask (16-byte loads
     wherever the row is 16-byte aligned), then one masked tail tile. ``floor`` (fp32, or None): the policy's
@@ -290,15 +290,15 @@ def stream_chunk(x_row, y_row, lo, hi, c2, WANT: tl.constexpr, SUBTILES: tl.cons
         y = x  # stands for the reference tile when there is none (never used then)
         if WANT_REF & WANT:
             y = tl.load(y_row + start + tile).to(tl.float32)
-        state = fold(x, y, state, c2, WANT)
+        state = fold(x, y, state, log2e_over_t, WANT)
     if full_end < hi:
         offs = full_end + tile
         x = below_floor_absent(tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32), floor)
         y = x
         if WANT_REF & WANT:
             y = tl.load(y_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
-        state = fold(x, y, state, c2, WANT)
-    return merge(state, c2, WANT)
+        state = fold(x, y, state, log2e_over_t, WANT)
+    return merge(state, log2e_over_t, WANT)
 
 
 @triton.jit

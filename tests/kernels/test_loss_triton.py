@@ -10,7 +10,7 @@ import torch
 from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, grad_tols, random_logits, temp, value_atol
 from kltriton import dispatch, estimators
 from kltriton.kernels import constants
-from kltriton.kernels import triton_rows as tr
+from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.stream import reference as stream_reference
 
@@ -32,8 +32,8 @@ CONFIGS = [
 def small_blocks(monkeypatch):
     """One warp and 128-entry gradient blocks: a vocab of a few hundred takes several statistics tiles
     and gradient blocks, as V = 151936 does on the GPU."""
-    monkeypatch.setattr(tr, "NUM_WARPS", 1)
-    monkeypatch.setattr(tr, "BACKWARD_BLOCK", 128)
+    monkeypatch.setattr(rows, "NUM_WARPS", 1)
+    monkeypatch.setattr(rows, "BACKWARD_BLOCK", 128)
 
 
 def inputs(dtype, ref_dtype=None, n_scored=5, vocab=VOCAB, seed=0, temperature=None, loss_type="ppo", estimator="k3",

@@ -5,7 +5,7 @@ import torch
 
 from helpers import assert_close, kernel_forward, random_logits, temp, value_atol
 from kltriton.kernels import constants, statistics
-from kltriton.kernels import triton_rows as tr
+from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.stream import reference
 from kltriton.kernels.stream import triton as ts
 
@@ -14,8 +14,8 @@ from kltriton.kernels.stream import triton as ts
 def small_tiles(monkeypatch):
     """One warp (32 lanes) and one block per chunk: vocabs of a few hundred split into several
     programs with a masked tail, as V > 32768 does on the GPU."""
-    monkeypatch.setattr(tr, "NUM_WARPS", 1)
-    monkeypatch.setattr(tr, "CHUNK_BLOCKS", 1)
+    monkeypatch.setattr(rows, "NUM_WARPS", 1)
+    monkeypatch.setattr(rows, "CHUNK_BLOCKS", 1)
 
 
 def _both(logits, ref, target, temperature):
@@ -52,8 +52,8 @@ def test_finfo_min_and_inf_rows_stay_finite(monkeypatch, split, temperature):
     """Masked entries (``finfo.min``, ``-1e30``, ``-inf``), in whole chunks and whole rows: every
     output is finite wherever the float64 answer is, and matches it."""
     if split:
-        monkeypatch.setattr(tr, "NUM_WARPS", 1)
-        monkeypatch.setattr(tr, "CHUNK_BLOCKS", 1)
+        monkeypatch.setattr(rows, "NUM_WARPS", 1)
+        monkeypatch.setattr(rows, "CHUNK_BLOCKS", 1)
     vocab = 600
     low = torch.finfo(torch.float32).min
     logits = random_logits((6, vocab), torch.float32)

@@ -5,7 +5,7 @@ import torch
 
 from kltriton.kernels import cpp_library
 from kltriton.kernels.divergence import composed
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.stream import cpp as stream
 
 

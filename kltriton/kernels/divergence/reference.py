@@ -4,7 +4,7 @@ import torch
 
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype
 from kltriton.kernels.divergence import composed
-from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.row_views import as_rows3d, num_rows
 from kltriton.kernels.stream import reference as stream
 
 CHUNK_ELEMENTS = 1 << 19  # rows per chunk = CHUNK_ELEMENTS // V

@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from kltriton.kernels import accumulation_dtype
-from kltriton.kernels import triton_rows as tr
+from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.divergence import composed
-from kltriton.kernels.rows import num_rows
+from kltriton.kernels.row_views import num_rows
 from kltriton.kernels.stream import triton as stream
 
 FORWARD_BLOCK = 2048  # vocab entries per loop iteration of the JSD pass
@@ -27,17 +27,17 @@ def _forward_block(vocab: int) -> int:
 def launches(vocab: int, elem_bytes: int):
     """(kernel name, Launch, variant name, absent arguments) of every kernel of this module (``benchmarks/static.py``)."""
     block = _forward_block(vocab)
-    backward = tr.backward_block(vocab)
-    return [("_jsd_forward_kernel", tr.Launch(dict(BLOCK_V=block), tr.options(), block), "jsd", []),
-            ("_jsd_backward_kernel", tr.Launch(dict(BLOCK_V=backward), tr.options(), backward,
+    backward = rows.backward_block(vocab)
+    return [("_jsd_forward_kernel", rows.Launch(dict(BLOCK_V=block), rows.options(), block), "jsd", []),
+            ("_jsd_backward_kernel", rows.Launch(dict(BLOCK_V=backward), rows.options(), backward,
                                                triton.cdiv(vocab, backward)), "jsd_bwd", [])]
 
 
 @triton.jit
 def _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature):
     """``(log p, p, log q, q)`` fp32 at ``offs`` (``-inf`` / 0 outside the vocabulary)."""
-    x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-    y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+    x = tl.load(x_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
+    y = tl.load(y_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
     log_p = x * inv_temperature - lse
     log_q = y * inv_temperature - ref_lse
     return log_p, tl.exp(log_p), log_q, tl.exp(log_q)
@@ -57,7 +57,7 @@ def _row_params(row, target_ptr, lse_ptr, ref_lse_ptr):
     target = tl.load(target_ptr + row)
     lse = tl.load(lse_ptr + row)
     ref_lse = tl.load(ref_lse_ptr + row)
-    finite = (lse > tr.NEG_INF) & (lse < float("inf")) & (ref_lse > tr.NEG_INF) & (ref_lse < float("inf"))
+    finite = (lse > rows.NEG_INF) & (lse < float("inf")) & (ref_lse > rows.NEG_INF) & (ref_lse < float("inf"))
     return target, lse, ref_lse, (target >= 0) & finite
 
 
@@ -77,8 +77,8 @@ def _jsd_forward_kernel(
     row = tl.program_id(0)
     target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
     if live:
-        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
                                        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
                                        ref_inner_stride)
         beta64 = tl.load(beta_ptr)
@@ -93,10 +93,10 @@ def _jsd_forward_kernel(
             kl_p += tl.where(p > 0, p * p_over_m, 0.0)
             kl_q += tl.where(q > 0, q * q_over_m, 0.0)
         kl_student = tl.sum(kl_p, axis=0)
-        tl.store(jsd_ptr + row, tr.nonnegative(beta * tl.sum(kl_q, axis=0) + one_minus_beta * kl_student))
+        tl.store(jsd_ptr + row, rows.nonnegative(beta * tl.sum(kl_q, axis=0) + one_minus_beta * kl_student))
         tl.store(kl_student_ptr + row, kl_student)
     else:
-        skipped = tl.where(target == tr.SKIP, 0.0, float("nan"))
+        skipped = tl.where(target == rows.SKIP, 0.0, float("nan"))
         tl.store(jsd_ptr + row, skipped)
         tl.store(kl_student_ptr + row, skipped)
 
@@ -121,8 +121,8 @@ def _jsd_backward_kernel(
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
     if live:
-        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
                                        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
                                        ref_inner_stride)
         beta64 = tl.load(beta_ptr)
@@ -142,9 +142,9 @@ def forward(logits, ref_logits, target, temperature, lse, ref_lse, beta):
     kl_student = torch.empty(n, dtype=acc, device=logits.device)
     if n:
         _jsd_forward_kernel[(n,)](
-            *tr.view_args(logits), *tr.view_args(ref_logits), target, lse.float().contiguous(),
+            *rows.view_args(logits), *rows.view_args(ref_logits), target, lse.float().contiguous(),
             ref_lse.float().contiguous(), beta.to(torch.float64), jsd, kl_student, vocab, temperature,
-            1 if temperature.dim() else 0, BLOCK_V=_forward_block(vocab), **tr.options())
+            1 if temperature.dim() else 0, BLOCK_V=_forward_block(vocab), **rows.options())
     return jsd, kl_student
 
 
@@ -152,12 +152,12 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, beta, kl_stu
     n, vocab = num_rows(logits), logits.shape[-1]
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n:
-        block = tr.backward_block(vocab)
+        block = rows.backward_block(vocab)
         _jsd_backward_kernel[(n, triton.cdiv(vocab, block))](
-            *tr.view_args(logits), *tr.view_args(ref_logits), grad, target, lse.float().contiguous(),
+            *rows.view_args(logits), *rows.view_args(ref_logits), grad, target, lse.float().contiguous(),
             ref_lse.float().contiguous(), beta.to(torch.float64), kl_student.float().contiguous(),
             coef.float().contiguous(), vocab, temperature, 1 if temperature.dim() else 0, BLOCK_V=block,
-            **tr.options())
+            **rows.options())
     return grad
 
 

@@ -5,7 +5,7 @@ while the row is in cache."""
 import torch
 
 from kltriton.kernels import cpp_library
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 
 
 def maxima(logits, target, floor):

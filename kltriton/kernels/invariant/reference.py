@@ -7,7 +7,7 @@ import torch
 
 from kltriton.kernels import accumulation_dtype, constants
 from kltriton.kernels.invariant import FIXED_UNIT, sum_count
-from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.row_views import as_rows3d, num_rows
 from kltriton.kernels.stream.reference import _chunks, _take_rows
 
 

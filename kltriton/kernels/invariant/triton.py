@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from kltriton.kernels import accumulation_dtype, constants
-from kltriton.kernels import triton_rows as tr
+from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.invariant import sum_count
-from kltriton.kernels.rows import num_rows
+from kltriton.kernels.row_views import num_rows
 
 UNIT = tl.constexpr(float(2 ** constants.FIXED_POINT_BITS))
 INF = tl.constexpr(float("inf"))
@@ -39,11 +39,11 @@ def launches(vocab: int, elem_bytes: int):
     for floor in (False, True):
         absent = [] if floor else ["floor_ptr"]
         suffix = "+floor" if floor else ""
-        out.append(("_maxima_kernel", tr.Launch(dict(BLOCK=block, CHUNK=chunk), options, block, split),
+        out.append(("_maxima_kernel", rows.Launch(dict(BLOCK=block, CHUNK=chunk), options, block, split),
                     "max" + suffix, absent))
         for entropy in (False, True):
             constexprs = dict(BLOCK=block, CHUNK=chunk, ENTROPY=entropy)
-            out.append(("_sums_kernel", tr.Launch(constexprs, options, block, split),
+            out.append(("_sums_kernel", rows.Launch(constexprs, options, block, split),
                         "sums" + ("+ent" if entropy else "") + suffix, absent + ([] if entropy else ["weighted_ptr"])))
     return out
 
@@ -51,9 +51,9 @@ def launches(vocab: int, elem_bytes: int):
 @triton.jit
 def _read(x_row, offs, vocab, floor_ptr, row):
     """The entries ``offs`` of a row as fp32, ``-inf`` past the end and below the floor."""
-    x = tl.load(x_row + offs, mask=offs < vocab, other=tr.NEG_INF).to(tl.float32)
+    x = tl.load(x_row + offs, mask=offs < vocab, other=rows.NEG_INF).to(tl.float32)
     if floor_ptr is not None:
-        x = tl.where(x < tl.load(floor_ptr + row), tr.NEG_INF, x)
+        x = tl.where(x < tl.load(floor_ptr + row), rows.NEG_INF, x)
     return x
 
 
@@ -70,7 +70,7 @@ def _maxima_kernel(
     part = tl.program_id(1)
     lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
     if tl.load(target_ptr + row) >= 0:
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        x_row = logits_ptr + rows.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         for start in range(part * CHUNK, tl.minimum(part * CHUNK + CHUNK, vocab), BLOCK):
             x = _read(x_row, start + tl.arange(0, BLOCK), vocab, floor_ptr, row)
             lanes = tl.maximum(lanes, tl.where(x != x, INF, x))  # NaN: +inf, a bad row
@@ -94,9 +94,9 @@ def _sums_kernel(
     m = tl.load(row_max_ptr + row)
     mass = tl.zeros((BLOCK,), tl.int64)
     weighted = tl.zeros((BLOCK,), tl.int64)
-    if (tl.load(target_ptr + row) >= 0) & (m > tr.NEG_INF) & (m < INF):
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        _, scale = tr.temperature_of(temperature_ptr, temperature_stride, row)  # log2(e) / T
+    if (tl.load(target_ptr + row) >= 0) & (m > rows.NEG_INF) & (m < INF):
+        x_row = logits_ptr + rows.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        _, scale = rows.temperature_of(temperature_ptr, temperature_stride, row)  # log2(e) / T
         for start in range(part * CHUNK, tl.minimum(part * CHUNK + CHUNK, vocab), BLOCK):
             z = (_read(x_row, start + tl.arange(0, BLOCK), vocab, floor_ptr, row) - m) * scale  # <= 0, base 2
             e = tl.exp2(z)                                                                       # in [0, 1]
@@ -120,7 +120,7 @@ def maxima(logits, target, floor):
     n, vocab, block, chunk, split = _grid(logits)
     partial = torch.empty((n, split), dtype=torch.float32, device=logits.device)
     if n:
-        _maxima_kernel[(n, split)](*tr.view_args(logits), target, floor, partial, vocab, split, BLOCK=block,
+        _maxima_kernel[(n, split)](*rows.view_args(logits), target, floor, partial, vocab, split, BLOCK=block,
                                    CHUNK=chunk, num_warps=NUM_WARPS, enable_fp_fusion=True)
     return partial.amax(1).to(accumulation_dtype(logits.dtype))
 
@@ -131,7 +131,7 @@ def sums(logits, target, temperature, row_max, floor, request):
     partial = torch.empty((k, n, split), dtype=torch.int64, device=logits.device)
     if n:
         entropy = bool(request & constants.ENTROPY)
-        _sums_kernel[(n, split)](*tr.view_args(logits), target, floor, row_max.float().contiguous(), partial[0],
+        _sums_kernel[(n, split)](*rows.view_args(logits), target, floor, row_max.float().contiguous(), partial[0],
                                  partial[1] if entropy else None, vocab, split, temperature,
                                  1 if temperature.dim() else 0, BLOCK=block, CHUNK=chunk, ENTROPY=entropy,
                                  num_warps=NUM_WARPS, enable_fp_fusion=True)

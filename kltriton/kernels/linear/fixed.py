@@ -111,7 +111,7 @@ def backward(side, read, label, temperature, lse, basis, stream, needs_grad):
     window, the backend's ``stream`` backward on the window's logits and ``lse`` (the label term in the window that
     owns ``label``, the columns it does not own zeroed), chained through softcap and scale, then ``d_x += grad @ W``,
     ``d_weight += grad.T @ x``, ``d_bias += grad.sum(0)`` in fp32, each GEMM of the fixed shape."""
-    n, width = read.numel(), side.weight.shape[0]
+    width = side.weight.shape[0]
     device, acc = read.device, accumulation_dtype(side.x.dtype)
     rows, block = geometry(device.type)
     want_x, want_weight, want_bias = needs_grad

@@ -13,7 +13,7 @@ from kltriton.kernels import SKIP, OUT_OF_RANGE, accumulation_dtype, statistics
 from kltriton.kernels.divergence.composed import statistics_request as divergence_request
 from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.loss import LossInputs, statistics_request as loss_request
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import LABEL_ELSEWHERE, StreamStats
 
 # Elements of one logits tile: 32 MiB of fp32 on CPU (a tile and its gradient stay well under eager's

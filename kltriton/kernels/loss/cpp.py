@@ -10,7 +10,7 @@ import torch
 from kltriton import estimators
 from kltriton.kernels import cpp_library
 from kltriton.kernels.loss import composed
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.stream import cpp as stream
 

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from kltriton import estimators
 from kltriton.kernels import constants, statistics
-from kltriton.kernels import triton_rows as tr
+from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.loss import composed, statistics_request, terms
-from kltriton.kernels.rows import num_rows
+from kltriton.kernels.row_views import num_rows
 from kltriton.kernels.stream import triton as stream
 
 SCALE_BLOCK = 4096
@@ -70,7 +70,7 @@ def _ratio(d, hp_ptr):
     """``(r, dr)``: the importance ratio ``exp(clamp(d, -c, c))`` (``c`` the ``log_ratio_clamp`` slot, ``inf``: no
     clamp) and ``d r / d logp`` (0 beyond the clamp), float64 (C++ ``Ratio``)."""
     clamp = tl.load(hp_ptr + HP_LOG_RATIO_CLAMP)
-    ratio = tl.exp(tr.clamp(d, -clamp, clamp))
+    ratio = tl.exp(rows.clamp(d, -clamp, clamp))
     return ratio, tl.where(tl.abs(d) <= clamp, ratio, 0.0)
 
 
@@ -89,13 +89,13 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     if LOSS_TYPE == "ppo":  # max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
         delta = tl.load(hp_ptr + HP_DELTA)
         pg1 = -adv * tl.minimum(ratio, delta)
-        pg2 = -adv * tr.clamp(ratio, low, high)
+        pg2 = -adv * rows.clamp(ratio, low, high)
         g_ratio = tl.where(pg1 >= pg2, tl.where(ratio <= delta, -adv, 0.0),
                            tl.where((ratio >= low) & (ratio <= high), -adv, 0.0))
         held = (adv < 0) & (tl.maximum(pg1, pg2) > -adv * tl.load(hp_ptr + HP_DUAL_CLIP))
         slope = _chain(tl.where(held, 0.0, g_ratio), d_ratio)
     elif LOSS_TYPE == "cispo":  # -sg(clip(ratio)) * A * logp
-        slope = -tr.clamp(ratio, low, high) * adv
+        slope = -rows.clamp(ratio, low, high) * adv
     elif LOSS_TYPE == "sapo":  # -A * 4 sigmoid(tau (r - 1)) / tau
         tau = tl.where(adv > 0, tl.load(hp_ptr + HP_TAU_POS), tl.load(hp_ptr + HP_TAU_NEG))
         sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
@@ -145,7 +145,7 @@ def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w
         if ESTIMATOR == "full":  # the full KL's own gradient goes through its statistic; 0 where clamped
             fkl = full_kl.to(tl.float64)
             g_full_kl = tl.where(tl.abs(fkl) > kl_clamp, 0.0, w_kl * weight)
-            g_logp += tl.where(corrected, w_kl * tr.clamp(fkl, -kl_clamp, kl_clamp) * d_ratio, 0.0)
+            g_logp += tl.where(corrected, w_kl * rows.clamp(fkl, -kl_clamp, kl_clamp) * d_ratio, 0.0)
         else:
             dk = lp - ref_logp.to(tl.float64)
             if ESTIMATOR == "k1":
@@ -163,7 +163,7 @@ def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w
             else:
                 tl.static_assert(False, "_row_g_logp has no derivative for this KL estimator")
             slope = tl.where(tl.abs(value) > kl_clamp, 0.0, slope)
-            value = tr.clamp(value, -kl_clamp, kl_clamp)
+            value = rows.clamp(value, -kl_clamp, kl_clamp)
             if STRAIGHT:  # "k3+": the value of the estimator, the gradient of k2
                 slope = dk
             g_logp += w_kl * (slope * weight + tl.where(corrected, value * d_ratio, 0.0))
@@ -217,16 +217,16 @@ def _accumulate_kernel(
     if TERMS != 0:
         c_p_logp = tl.load(c_p_logp_ptr + row)
     live = (c_label != 0.0) | (c_p != 0.0) | (c_p_logp != 0.0)
-    if (target >= 0) & (lse > tr.NEG_INF) & (lse < float("inf")) & live:
-        inv_temperature, _ = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+    if (target >= 0) & (lse > rows.NEG_INF) & (lse < float("inf")) & live:
+        inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row = logits_ptr + rows.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         grad_row = grad_ptr + row.to(tl.int64) * vocab
         basis = (c_label, c_p, c_p_logp, c_p * 0.0)
         for start in range(0, vocab, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             in_vocab = offs < vocab
-            x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-            grad = tr.grad_block(x, x, offs, target, lse, lse, basis, inv_temperature, TERMS)
+            x = tl.load(x_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
+            grad = rows.grad_block(x, x, offs, target, lse, lse, basis, inv_temperature, TERMS)
             before = tl.load(grad_row + offs, mask=in_vocab, other=0.0).to(tl.float32)
             tl.store(grad_row + offs, (before + grad).to(grad_ptr.dtype.element_ty), mask=in_vocab)
 
@@ -251,30 +251,30 @@ def _loss_forward_kernel(
 ):
     """Grid ``(N,)``: the statistics, the loss coefficients and the gradient of one row."""
     WITH_FULL_KL: tl.constexpr = ESTIMATOR == "full"
-    TERMS: tl.constexpr = (tr.BASIS_P_LOGP if ENTROPY_GRAD or WITH_FULL_KL else 0) | (tr.BASIS_P_LOGQ if WITH_FULL_KL
+    TERMS: tl.constexpr = (rows.BASIS_P_LOGP if ENTROPY_GRAD or WITH_FULL_KL else 0) | (rows.BASIS_P_LOGQ if WITH_FULL_KL
                                                                                        else 0)
     row = tl.program_id(0)
     target = tl.load(target_ptr + row)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, c2 = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
                                        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
                                        ref_inner_stride)
-        state = tr.stream_chunk(x_row, y_row, 0, vocab, c2, WANT, SUBTILES, LANES, VEC)
+        state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
         # Loaded after the loop (once per row): Triton 3.6 keeps them across it on the stack otherwise.
-        x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)
-        values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
-        tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
-        logp, lse, entropy = values[tr.STAT_LOGP], values[tr.STAT_LSE], values[tr.STAT_ENTROPY]
-        ref_logp, ref_lse, full_kl = values[tr.STAT_REF_LOGP], values[tr.STAT_REF_LSE], values[tr.STAT_FULL_KL]
+        x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)
+        values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
+        rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr)
+        logp, lse, entropy = values[rows.STAT_LOGP], values[rows.STAT_LSE], values[rows.STAT_ENTROPY]
+        ref_logp, ref_lse, full_kl = values[rows.STAT_REF_LOGP], values[rows.STAT_REF_LSE], values[rows.STAT_FULL_KL]
         # A row without a finite lse (all -inf logits; a NaN or +inf logit) gets a zero gradient.
-        if (lse > tr.NEG_INF) & (lse < float("inf")):
+        if (lse > rows.NEG_INF) & (lse < float("inf")):
             rlp = ref_logp
             if given_ref_logp_ptr is not None:
                 rlp = tl.load(given_ref_logp_ptr + row)
             g_logp, g_full_kl = _row_g_logp(row, logp, rlp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, hp_ptr,
                                             LOSS_TYPE, ESTIMATOR, STRAIGHT)
-            basis = tr.loss_basis(g_logp.to(tl.float32), tl.load(w_ent_ptr + row), entropy,
+            basis = rows.loss_basis(g_logp.to(tl.float32), tl.load(w_ent_ptr + row), entropy,
                                   g_full_kl.to(tl.float32), full_kl, inv_temperature, ENTROPY_GRAD, WITH_FULL_KL)
             grad_row = grad_ptr + row.to(tl.int64) * vocab
             last = (vocab - 1) // BLOCK_V * BLOCK_V
@@ -282,16 +282,16 @@ def _loss_forward_kernel(
             for back in range(0, vocab, BLOCK_V):
                 offs = (last - back) + tl.arange(0, BLOCK_V)
                 in_vocab = offs < vocab
-                x = tl.load(x_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
+                x = tl.load(x_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
                 y = x
                 if WITH_FULL_KL:
-                    y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-                grad = tr.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
+                    y = tl.load(y_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
+                grad = rows.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
                 tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
         else:
             _zero_row(grad_ptr, row, vocab, BLOCK_V)
     else:
-        tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
+        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
                        full_kl_ptr)
         _zero_row(grad_ptr, row, vocab, BLOCK_V)
 
@@ -301,19 +301,19 @@ def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimato
     """The fused kernel's Launch: the stream forward's tile (never split: one program per row) and the
     stream backward's block, both from ``V`` and the dtype only; the loss type and estimator."""
     est = estimators.parse(estimator) if estimator else None
-    tile = tr.forward_tile(vocab, elem_bytes, has_ref)
+    tile = rows.forward_tile(vocab, elem_bytes, has_ref)
     constexprs = dict(WANT=statistics_request(has_ref, estimator, with_entropy), LOSS_TYPE=loss_type, ESTIMATOR=est.base if est else "",
                       STRAIGHT=bool(est and est.straight_through), ENTROPY_GRAD=bool(entropy_grad),
                       SUBTILES=tile.constexprs["SUBTILES"], LANES=tile.constexprs["LANES"],
-                      VEC=tile.constexprs["VEC"], BLOCK_V=tr.backward_block(vocab))
-    return tr.Launch(constexprs, tr.options(), tile.elements_per_iteration)
+                      VEC=tile.constexprs["VEC"], BLOCK_V=rows.backward_block(vocab))
+    return rows.Launch(constexprs, rows.options(), tile.elements_per_iteration)
 
 
 def launches(vocab: int, elem_bytes: int, variants=STATIC_VARIANTS):
     """(kernel name, Launch, variant, absent arguments) of ``variants`` and of the entropy mask's
     ``_accumulate_kernel`` (for ``benchmarks/static.py``)."""
-    block = tr.backward_block(vocab)
-    out = [("_accumulate_kernel", tr.Launch(dict(TERMS=terms_, BLOCK_V=block), tr.options(), block), name,
+    block = rows.backward_block(vocab)
+    out = [("_accumulate_kernel", rows.Launch(dict(TERMS=terms_, BLOCK_V=block), rows.options(), block), name,
             [] if terms_ else ["c_p_logp_ptr"])
            for name, terms_ in (("accumulate", 0), ("accumulate+plogp", constants.P_LOGP))]
     for variant, has_ref, loss_type, estimator, entropy_grad in variants:
@@ -343,7 +343,7 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
     given_ref = inputs.ref_logp if estimator not in ("", "full") and not has_ref else None
     launch = _launch(vocab, logits.element_size(), has_ref, loss_type, estimator, entropy_grad, with_entropy)
     _loss_forward_kernel[(n,)](
-        *tr.view_args(logits.detach()), *tr.view_args(None if ref_logits is None else ref_logits.detach()),
+        *rows.view_args(logits.detach()), *rows.view_args(None if ref_logits is None else ref_logits.detach()),
         target, *(value if value.numel() else None for value in stats), grad, f32(inputs.old_logp),
         f32(inputs.advantages), f32(inputs.w_pg), f32(inputs.w_kl), f32(inputs.w_ent), f32(given_ref),
         hyperparameters.to(torch.float64).contiguous(), vocab, temperature, 1 if temperature.dim() else 0,
@@ -377,9 +377,9 @@ def accumulate_(grad, logits, target, temperature, lse, basis):
         return
     f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()  # noqa: E731
     _accumulate_kernel[(n,)](
-        *tr.view_args(logits.detach()), target, f32(lse), f32(basis.label), f32(basis.p), f32(basis.p_logp), grad,
+        *rows.view_args(logits.detach()), target, f32(lse), f32(basis.label), f32(basis.p), f32(basis.p_logp), grad,
         vocab, temperature, 1 if temperature.dim() else 0, TERMS=constants.P_LOGP if basis.p_logp is not None else 0,
-        BLOCK_V=tr.backward_block(vocab), **tr.options())
+        BLOCK_V=rows.backward_block(vocab), **rows.options())
 
 
 def scale_(grad, upstream):

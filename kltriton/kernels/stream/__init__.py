@@ -4,20 +4,20 @@ Backends: ``reference.py`` (plain PyTorch, any float dtype incl. float64), ``tri
 CPU under ``TRITON_INTERPRET=1``), ``cpp.py`` (CPU, fp32 / bf16 / fp16). The statistics are declared
 in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
 
-``forward(logits, ref_logits, target, temperature, wanted) -> StreamStats``
+``forward(logits, ref_logits, target, temperature, request) -> StreamStats``
     logits:      ``[..., V]`` float, any strides on the leading dims, last dim contiguous. ``N`` =
                  number of leading positions, in row-major order of the leading dims.
     ref_logits:  ``None`` or a tensor of the same shape (strides may differ), in its own float dtype
                  (e.g. fp32 under a bf16 policy; each is read as it is, never copied). Given iff
-                 ``wanted`` has the ``REF`` bit.
+                 ``request`` has the ``REF`` bit.
     target:      ``[N]`` int64, contiguous: a label in ``[0, V)``, ``SKIP`` (outputs 0, logits
                  never read) or ``OUT_OF_RANGE`` (outputs NaN, logits never read).
     temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
                  the caller); data, so a new value never recompiles. Every statistic of row ``n``
                  is of ``softmax(logits[n] / T[n])``.
-    wanted:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``, ``FORWARD_KL``).
+    request:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``, ``FORWARD_KL``).
     Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``, the statistics
-    ``wanted`` does not ask for empty. ``logp`` and ``ref_logp`` are clamped to ``<= 0``. A row whose logits
+    ``request`` does not ask for empty. ``logp`` and ``ref_logp`` are clamped to ``<= 0``. A row whose logits
     are all ``-inf`` has ``lse = -inf`` and NaN statistics (as torch); a NaN or ``+inf`` logit gives NaN
     statistics (never a silent 0). Logits masked with ``finfo.min`` or ``-1e30`` are normal input: every
     statistic is finite and exact wherever the float64 answer rounded to fp32 is (``x / T`` must be an

@@ -8,7 +8,7 @@ coefficients (``csrc/row_backward.h``). The library is built or loaded by ``kltr
 import torch
 
 from kltriton.kernels import cpp_library
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
 
@@ -16,10 +16,10 @@ def _rows3d(tensor):
     return None if tensor is None else as_rows3d(tensor.detach())
 
 
-def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
+def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     cpp_library.load()
     return StreamStats(*torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target,
-                                                              temperature, int(wanted)))
+                                                              temperature, int(request)))
 
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:

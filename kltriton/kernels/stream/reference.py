@@ -7,7 +7,7 @@ in that precision (float64 results from float64 logits: the oracle for the tests
 import torch
 
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
-from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.row_views import as_rows3d, num_rows
 from kltriton.kernels.statistics import StreamStats, empty_stats
 
 CHUNK_ELEMENTS = 1 << 19  # rows per chunk = CHUNK_ELEMENTS // V (2 MiB of fp32, 4 MiB of fp64 per temporary)
@@ -53,12 +53,12 @@ def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * values)
 
 
-def forward(logits, ref_logits, target, temperature, wanted) -> StreamStats:
+def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
     device, acc = logits.device, accumulation_dtype(logits.dtype)
-    out = empty_stats(n, wanted, lambda size: torch.zeros(size, dtype=acc, device=device))
-    with_entropy, with_full_kl = bool(wanted & constants.ENTROPY), bool(wanted & constants.FULL_KL)
-    with_forward_kl = bool(wanted & constants.FORWARD_KL)
+    out = empty_stats(n, request, lambda size: torch.zeros(size, dtype=acc, device=device))
+    with_entropy, with_full_kl = bool(request & constants.ENTROPY), bool(request & constants.FULL_KL)
+    with_forward_kl = bool(request & constants.FORWARD_KL)
     rows3d = as_rows3d(logits)
     ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
     for start, stop in _chunks(n, vocab):

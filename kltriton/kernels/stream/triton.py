@@ -14,23 +14,23 @@ import triton
 import triton.language as tl
 
 from kltriton.kernels import constants, statistics
-from kltriton.kernels import triton_rows as tr
-from kltriton.kernels.rows import num_rows
+from kltriton.kernels import triton_rows as rows
+from kltriton.kernels.row_views import num_rows
 from kltriton.kernels.statistics import StreamStats
 
 
-def _combine_launch(split: int, request: int) -> tr.Launch:
-    return tr.Launch(dict(WANT=request, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split)),
+def _combine_launch(split: int, request: int) -> rows.Launch:
+    return rows.Launch(dict(WANT=request, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split)),
                      dict(num_warps=1, enable_fp_fusion=True), 1)
 
 
-def _backward_launch(vocab: int) -> tr.Launch:
-    block = tr.backward_block(vocab)
-    return tr.Launch(dict(BLOCK_V=block), tr.options(), block, triton.cdiv(vocab, block))
+def _backward_launch(vocab: int) -> rows.Launch:
+    block = rows.backward_block(vocab)
+    return rows.Launch(dict(BLOCK_V=block), rows.options(), block, triton.cdiv(vocab, block))
 
 
-def _forward_launch(vocab: int, elem_bytes: int, request: int) -> tr.Launch:
-    tile = tr.forward_tile(vocab, elem_bytes, bool(request & constants.REF))
+def _forward_launch(vocab: int, elem_bytes: int, request: int) -> rows.Launch:
+    tile = rows.forward_tile(vocab, elem_bytes, bool(request & constants.REF))
     return tile._replace(constexprs=dict(tile.constexprs, WANT=request))
 
 
@@ -86,23 +86,23 @@ def _stream_forward_kernel(
     row = tl.program_id(0)
     target = tl.load(target_ptr + row)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, c2 = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
                                        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
                                        ref_inner_stride)
         if SPLIT == 1:
-            x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
-            state = tr.stream_chunk(x_row, y_row, 0, vocab, c2, WANT, SUBTILES, LANES, VEC)
-            values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
-            tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
+            x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
+            state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
+            values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
+            rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                            forward_kl_ptr)
         else:
             part = tl.program_id(1)
             lo = part * CHUNK
-            state = tr.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), c2, WANT, SUBTILES, LANES, VEC)
-            tr.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * tr.STATE_SIZE, state)
+            state = rows.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), log2e_over_t, WANT, SUBTILES, LANES, VEC)
+            rows.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE, state)
     elif SPLIT == 1:
-        tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
+        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
                        full_kl_ptr, forward_kl_ptr)
 
 
@@ -121,19 +121,19 @@ def _stream_combine_kernel(
     row = tl.program_id(0)
     target = tl.load(target_ptr + row)
     if target >= 0:
-        inv_temperature, c2 = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = tr.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
                                        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
                                        ref_inner_stride)
-        x_label, y_label = tr.label_logits(x_row, y_row, target, ref_ptr is not None)
+        x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)
         part = tl.arange(0, SPLIT_P2)
-        parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * tr.STATE_SIZE
-        state = tr.merge(tr.load_states(parts, part < SPLIT), c2, WANT)  # padding parts: empty states
-        values = tr.finalize(state, x_label, y_label, inv_temperature, WANT)
-        tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
+        parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE
+        state = rows.merge(rows.load_states(parts, part < SPLIT), log2e_over_t, WANT)  # padding parts: empty states
+        values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
+        rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                        forward_kl_ptr)
     else:
-        tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
+        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
                        full_kl_ptr, forward_kl_ptr)
 
 
@@ -151,19 +151,19 @@ def _stream_backward_kernel(
 ):
     """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
     row = tl.program_id(0)
-    offs, in_vocab, grad_row, target, lse, live = tr.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
+    offs, in_vocab, grad_row, target, lse, live = rows.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
-        inv_temperature, x = tr.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
+        inv_temperature, x = rows.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
                                                logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         y = x
         ref_lse = 0.0
-        if (tr.BASIS_P_LOGQ | tr.BASIS_Q) & TERMS:
+        if (rows.BASIS_P_LOGQ | rows.BASIS_Q) & TERMS:
             ref_lse = tl.load(ref_lse_ptr + row)
-            y_row = ref_ptr + tr.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
-            y = tl.load(y_row + offs, mask=in_vocab, other=tr.NEG_INF).to(tl.float32)
-        basis = tr.load_basis(basis_ptr, row, TERMS)
-        grad = tr.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
+            y_row = ref_ptr + rows.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+            y = tl.load(y_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
+        basis = rows.load_basis(basis_ptr, row, TERMS)
+        grad = rows.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
@@ -177,9 +177,9 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
         return stats
     launch = _forward_launch(vocab, logits.element_size(), request)
     split = launch.grid_split
-    partial = (torch.empty((n, split, tr.STATE_SIZE), dtype=torch.float32, device=logits.device)
+    partial = (torch.empty((n, split, rows.STATE_SIZE), dtype=torch.float32, device=logits.device)
                if split > 1 else None)
-    views = (*tr.view_args(logits), *tr.view_args(ref_logits))
+    views = (*rows.view_args(logits), *rows.view_args(ref_logits))
     outputs = (target, *(value if value.numel() else None for value in stats), partial)
     temperature_args = (temperature, 1 if temperature.dim() else 0)
     _stream_forward_kernel[(n, split)](*views, *outputs, vocab, *temperature_args, **launch.constexprs,
@@ -195,11 +195,11 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
-    coefficients, terms = tr.stacked_basis(basis)
+    coefficients, terms = rows.stacked_basis(basis)
     with_ref = basis.reads_ref()
     launch = _backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
-        *tr.view_args(logits), *tr.view_args(ref_logits if with_ref else None), grad, target,
+        *rows.view_args(logits), *rows.view_args(ref_logits if with_ref else None), grad, target,
         lse, ref_lse if with_ref else None, coefficients, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )

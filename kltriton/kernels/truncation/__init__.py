@@ -21,8 +21,8 @@ The floor of a row (returned by ``forward``, ``[N]`` float32):
     alone: the smallest fp32 ``>=`` its exact threshold), ``-inf`` where nothing is cut or the row is not
     read (``target < 0``), NaN where the row has a NaN or ``+inf`` logit.
 
-``forward(logits, target, temperature, top_k, top_p, min_p, floor, wanted) -> (floor, StreamStats)``
-    ``floor`` None: each row's floor from the knobs, then (the row still in cache) the ``stream`` statistics (``logp``, ``lse``, ``entropy`` when ``wanted`` has ``ENTROPY``; ``wanted`` has no
+``forward(logits, target, temperature, top_k, top_p, min_p, floor, request) -> (floor, StreamStats)``
+    ``floor`` None: each row's floor from the knobs, then (the row still in cache) the ``stream`` statistics (``logp``, ``lse``, ``entropy`` when ``request`` has ``ENTROPY``; ``request`` has no
     other bit) of each row with the logits below ``floor`` read as ``-inf``: the log-prob of the renormalized
     truncated distribution, ``-inf`` where the label is below the floor. ``floor = -inf`` gives the ``stream``
     family's results bit for bit. A given ``floor`` (vocab-parallel: found over the shards) is used as it is.
@@ -40,11 +40,11 @@ work on gathered values, a few launches).
     ``[N, K]`` engine ids (``-1`` padding) in canonical form: each kept id once, increasing, then ``-1``.
 ``replay_columns(logits, ids) -> values``
     ``[N, K]`` logits at ``ids`` (``-1``: 0) in the accumulation dtype.
-``replay_forward(values, ids, target, temperature, wanted) -> (logp, lse, entropy, row_max, log_mass, label_column)``
+``replay_forward(values, ids, target, temperature, request) -> (logp, lse, entropy, row_max, log_mass, label_column)``
     ``values [N, K]`` (accumulation dtype) at the canonical ``ids`` (global ids). With ``m`` the row's largest kept
     value and ``d = (x - m) / T`` in float64: ``mass = sum trunc(exp(d) 2^bits)`` (int64), ``log_mass =
     log(mass 2^-bits)`` (float64), ``logp = d_label - log_mass`` (``-inf`` where the label is not kept), ``lse =
-    m / T + log_mass``, ``entropy = log_mass - sum trunc(exp(d) d 2^bits) / mass`` (``wanted`` has ``ENTROPY``;
+    m / T + log_mass``, ``entropy = log_mass - sum trunc(exp(d) d 2^bits) / mass`` (``request`` has ``ENTROPY``;
     else empty); ``row_max`` (``m``, 0 on rows that are not live) and ``label_column`` (the label's column, ``-1``)
     for the backward. A scored row that keeps nothing: ``logp = lse = -inf``, entropy 0; every kept logit ``-inf``:
     NaN statistics, ``lse = -inf``; a NaN or ``+inf`` kept: NaN; ``SKIP`` 0, ``OUT_OF_RANGE`` NaN (``lse`` 0).

@@ -8,15 +8,15 @@ is the stream backward with the logits below the floor read as ``-inf``.
 import torch
 
 from kltriton.kernels import cpp_library
-from kltriton.kernels.rows import as_rows3d
+from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
 
 
-def forward(logits, target, temperature, top_k, top_p, min_p, floor, wanted):
+def forward(logits, target, temperature, top_k, top_p, min_p, floor, request):
     cpp_library.load()
     out = torch.ops.kltriton_cpp.truncated_forward(as_rows3d(logits.detach()), target, temperature, top_k, top_p,
-                                                   min_p, floor, int(wanted))
+                                                   min_p, floor, int(request))
     return out[0], StreamStats(*out[1:])
 
 
@@ -37,9 +37,9 @@ def replay_columns(logits, ids):
     return torch.ops.kltriton_cpp.replay_columns(as_rows3d(logits), ids)
 
 
-def replay_forward(values, ids, target, temperature, wanted):
+def replay_forward(values, ids, target, temperature, request):
     cpp_library.load()
-    return tuple(torch.ops.kltriton_cpp.replay_forward(values, ids, target, temperature, int(wanted)))
+    return tuple(torch.ops.kltriton_cpp.replay_forward(values, ids, target, temperature, int(request)))
 
 
 def replay_backward(values, ids, target, temperature, row_max, log_mass, basis):

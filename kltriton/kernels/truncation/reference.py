@@ -6,7 +6,7 @@ import math
 import torch
 
 from kltriton.kernels import accumulation_dtype, constants
-from kltriton.kernels.rows import as_rows3d, num_rows
+from kltriton.kernels.row_views import as_rows3d, num_rows
 from kltriton.kernels.stream import reference as stream
 from kltriton.kernels.stream.reference import _chunks, _take_rows
 
@@ -70,12 +70,12 @@ def _masked(logits, floor_rows):
     return torch.where((x >= f) | torch.isnan(f), x, torch.full_like(x, -math.inf))
 
 
-def forward(logits, target, temperature, top_k, top_p, min_p, given_floor, wanted):
+def forward(logits, target, temperature, top_k, top_p, min_p, given_floor, request):
     kept_floor = floor(logits, target, temperature, top_k, top_p, min_p) if given_floor is None else given_floor
-    return kept_floor, _restricted(logits, target, temperature, kept_floor, wanted)
+    return kept_floor, _restricted(logits, target, temperature, kept_floor, request)
 
 
-def _restricted(logits, target, temperature, floor, wanted):
+def _restricted(logits, target, temperature, floor, request):
     n, vocab = num_rows(logits), logits.shape[-1]
     rows3d = as_rows3d(logits)
     parts = []
@@ -83,9 +83,9 @@ def _restricted(logits, target, temperature, floor, wanted):
         rows = torch.arange(start, stop, device=logits.device)
         chunk = _masked(_take_rows(rows3d, rows, logits.dtype), floor[start:stop])
         temp = temperature if temperature.dim() == 0 else temperature[start:stop]
-        parts.append(stream.forward(chunk, None, target[start:stop], temp, wanted))
+        parts.append(stream.forward(chunk, None, target[start:stop], temp, request))
     return type(parts[0])(*(torch.cat(values) for values in zip(*parts))) if parts else stream.forward(
-        logits, None, target, temperature, wanted)
+        logits, None, target, temperature, request)
 
 
 def backward(logits, target, temperature, floor, lse, basis):
@@ -140,7 +140,7 @@ def _settle(value, live, empty, no_mass, target, if_empty, if_no_mass, if_out_of
     return torch.where(target == constants.SKIP, full(0.0), value)
 
 
-def replay_forward(values, ids, target, temperature, wanted):
+def replay_forward(values, ids, target, temperature, request):
     kept = ids >= 0
     m = torch.where(kept, values, torch.full((), -math.inf, dtype=values.dtype, device=values.device)).amax(-1)
     live = (target >= 0) & torch.isfinite(m)
@@ -158,7 +158,7 @@ def replay_forward(values, ids, target, temperature, wanted):
     lse = m.double() / temperature.double() + log_mass
     rows = (live, empty, no_mass, target)
     entropy = values.new_empty(0)
-    if wanted & constants.ENTROPY:
+    if request & constants.ENTROPY:
         weighted = torch.where(e > 0, e * d, torch.zeros_like(d))  # in [-1/e, 0]
         h = log_mass - (weighted * _UNIT).long().sum(-1).double() / mass.double()
         entropy = _settle(h, *rows, 0.0, math.nan, math.nan).to(values.dtype)

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from kltriton.kernels import constants, statistics
-from kltriton.kernels import triton_rows as tr
-from kltriton.kernels.rows import num_rows
+from kltriton.kernels import triton_rows as rows
+from kltriton.kernels.row_views import num_rows
 # Replay (``kltriton.kernels.truncation.replay``) is O(N K) work on the K gathered logits of each row: the reference's
 # PyTorch code (a few launches on CUDA), and for the logits gradient a memset and a K-column scatter.
 from kltriton.kernels.truncation.reference import (replay_backward, replay_columns, replay_forward,  # noqa: F401
@@ -34,22 +34,22 @@ THRESHOLDS = 8         # census thresholds per pass (a power of two: a tensor di
 CENSUS_PER_THREAD = 4  # vocab entries per thread per selection-pass iteration
 
 
-def _forward_launch(vocab: int, elem_bytes: int, wanted: int, given: bool) -> tr.Launch:
+def _forward_launch(vocab: int, elem_bytes: int, request: int, given: bool) -> rows.Launch:
     """The stream forward's tile ``[SUBTILES, LANES, VEC]`` for the statistics (one program per row); the
     selection passes read ``BLOCK`` entries per iteration, 4 per thread (16-byte loads in fp32, 8-byte in 16-bit
     dtypes: 8 per thread would double the census' ``[G, BLOCK]`` sums, past the register file). The entries per
     iteration of the kernel's heaviest loop (the static report's): the statistics' with a given floor, else the
     census'."""
-    tile = tr.forward_tile(vocab, elem_bytes, False)
+    tile = rows.forward_tile(vocab, elem_bytes, False)
     c = tile.constexprs
-    block = min(CENSUS_PER_THREAD * 32 * tr.NUM_WARPS, triton.next_power_of_2(max(vocab, 16)))
-    return tr.Launch(dict(WANT=wanted, SUBTILES=c["SUBTILES"], LANES=c["LANES"], VEC=c["VEC"], BLOCK=block,
-                          G=THRESHOLDS), tr.options(), tile.elements_per_iteration if given else block)
+    block = min(CENSUS_PER_THREAD * 32 * rows.NUM_WARPS, triton.next_power_of_2(max(vocab, 16)))
+    return rows.Launch(dict(WANT=request, SUBTILES=c["SUBTILES"], LANES=c["LANES"], VEC=c["VEC"], BLOCK=block,
+                          G=THRESHOLDS), rows.options(), tile.elements_per_iteration if given else block)
 
 
-def _backward_launch(vocab: int, terms: int) -> tr.Launch:
-    block = tr.backward_block(vocab)
-    return tr.Launch(dict(TERMS=terms, BLOCK_V=block), tr.options(), block, triton.cdiv(vocab, block))
+def _backward_launch(vocab: int, terms: int) -> rows.Launch:
+    block = rows.backward_block(vocab)
+    return rows.Launch(dict(TERMS=terms, BLOCK_V=block), rows.options(), block, triton.cdiv(vocab, block))
 
 
 def launches(vocab: int, elem_bytes: int):
@@ -57,10 +57,10 @@ def launches(vocab: int, elem_bytes: int):
     for this vocab and logits element size (for ``benchmarks/static.py``)."""
     out = []
     for given, ent in ((False, False), (False, True), (True, False), (True, True)):
-        wanted = statistics.request(entropy=ent)
+        request = statistics.request(entropy=ent)
         name = "trunc-fwd" + ("+floor" if given else "") + ("+ent" if ent else "")
         absent = ([] if ent else ["entropy_ptr"]) + (["top_k_ptr", "top_p_ptr", "min_p_ptr"] if given else [])
-        out.append(("_truncated_forward_kernel", _forward_launch(vocab, elem_bytes, wanted, given), name, absent))
+        out.append(("_truncated_forward_kernel", _forward_launch(vocab, elem_bytes, request, given), name, absent))
     for logp_term in (False, True):
         launch = _backward_launch(vocab, constants.P_LOGP if logp_term else 0)
         out.append(("_truncated_backward_kernel", launch, "trunc-bwd" + ("+plogp" if logp_term else ""),
@@ -86,20 +86,20 @@ def _value(key):
 def _row_max(x_row, vocab, BLOCK: tl.constexpr):
     """The row max, NaN when the row has a NaN."""
     offs0 = tl.arange(0, BLOCK)
-    acc = tl.full((BLOCK,), tr.NEG_INF, tl.float32)
+    acc = tl.full((BLOCK,), rows.NEG_INF, tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + offs0
-        x = tl.load(x_row + offs, mask=offs < vocab, other=tr.NEG_INF).to(tl.float32)
+        x = tl.load(x_row + offs, mask=offs < vocab, other=rows.NEG_INF).to(tl.float32)
         acc = tl.maximum(acc, x, propagate_nan=tl.PropagateNan.ALL)
     nan = acc != acc
-    m = tl.max(tl.where(nan, tr.NEG_INF, acc), axis=0)
+    m = tl.max(tl.where(nan, rows.NEG_INF, acc), axis=0)
     return tl.where(tl.sum(nan.to(tl.int32), axis=0) > 0, float("nan"), m)
 
 
 @triton.jit
-def _census(x_row, vocab, lower, thresholds, m, c2, MASS: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
+def _census(x_row, vocab, lower, thresholds, m, log2e_over_t, MASS: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
     """``(weight [G], count [G], weight_total, count_total)`` in float64 of the logits ``>= thresholds[g]`` and
-    of those ``>= lower``; a logit's weight is 1 (``MASS`` False: the counts) or ``2^((x - m) c2)`` (its
+    of those ``>= lower``; a logit's weight is 1 (``MASS`` False: the counts) or ``2^((x - m) log2e_over_t)`` (its
     unnormalized probability); below ``lower`` nothing counts. Per-position fp32 sums ``[G, BLOCK]`` over the
     row, reduced once at the end."""
     offs0 = tl.arange(0, BLOCK)[None, :]
@@ -112,13 +112,13 @@ def _census(x_row, vocab, lower, thresholds, m, c2, MASS: tl.constexpr, BLOCK: t
     acc_count_total = tl.zeros((1, BLOCK), tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + offs0
-        x = tl.load(x_row + offs, mask=offs < vocab, other=tr.NEG_INF).to(tl.float32)
+        x = tl.load(x_row + offs, mask=offs < vocab, other=rows.NEG_INF).to(tl.float32)
         one = tl.where((offs < vocab) & (x >= lower), 1.0, 0.0)
         above = x >= th
         acc_count_total += one
         acc_count += tl.where(above, one, 0.0)
         if MASS:
-            w = tl.where(x >= lower, tl.exp2((x - m) * c2), 0.0)  # x = -inf: 0
+            w = tl.where(x >= lower, tl.exp2((x - m) * log2e_over_t), 0.0)  # x = -inf: 0
             acc_total += w
             acc += tl.where(above, w, 0.0)
     count = tl.sum(acc_count.to(tl.float64), axis=1)
@@ -132,16 +132,16 @@ def _census(x_row, vocab, lower, thresholds, m, c2, MASS: tl.constexpr, BLOCK: t
 def _max_between(x_row, vocab, lo, hi, BLOCK: tl.constexpr):
     """The largest logit in ``[lo, hi)``."""
     offs0 = tl.arange(0, BLOCK)
-    acc = tl.full((BLOCK,), tr.NEG_INF, tl.float32)
+    acc = tl.full((BLOCK,), rows.NEG_INF, tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + offs0
-        x = tl.load(x_row + offs, mask=offs < vocab, other=tr.NEG_INF).to(tl.float32)
-        acc = tl.maximum(acc, tl.where((x >= lo) & (x < hi), x, tr.NEG_INF))
+        x = tl.load(x_row + offs, mask=offs < vocab, other=rows.NEG_INF).to(tl.float32)
+        acc = tl.maximum(acc, tl.where((x >= lo) & (x < hi), x, rows.NEG_INF))
     return tl.max(acc, axis=0)
 
 
 @triton.jit
-def _largest_reaching(x_row, vocab, lower, m, c2, count, fraction, MASS: tl.constexpr, BLOCK: tl.constexpr,
+def _largest_reaching(x_row, vocab, lower, m, log2e_over_t, count, fraction, MASS: tl.constexpr, BLOCK: tl.constexpr,
                       G: tl.constexpr):
     """The largest fp32 ``v >= lower`` whose weight (``_census``) over ``{x >= v}`` reaches the goal: ``count``
     (``MASS`` False), or ``fraction`` times the weight of ``{x >= lower}``; ``lower`` when nothing above it does.
@@ -159,12 +159,12 @@ def _largest_reaching(x_row, vocab, lower, m, c2, count, fraction, MASS: tl.cons
     while (hi - lo > 1) & (count_lo - count_hi > 1):
         lo_value = _value(lo.to(tl.int32)).to(tl.float64)
         hi_value = _value(hi.to(tl.int32)).to(tl.float64)
-        by_value = (lo_value > tr.NEG_INF) & (hi - lo > (1 << 24))
+        by_value = (lo_value > rows.NEG_INF) & (hi - lo > (1 << 24))
         lo_value = tl.where(by_value, lo_value, hi_value)  # keeps -inf out of the arithmetic (unused then)
         spread = (lo_value + (hi_value - lo_value) * steps.to(tl.float64) / (G + 1)).to(tl.float32)
         keys = tl.where(by_value, _key(spread).to(tl.int64), lo + (hi - lo) * steps.to(tl.int64) // (G + 1))
         keys = tl.minimum(tl.maximum(keys, lo + 1), hi - 1)
-        weight, counts, total, count_total = _census(x_row, vocab, lower, _value(keys.to(tl.int32)), m, c2, MASS,
+        weight, counts, total, count_total = _census(x_row, vocab, lower, _value(keys.to(tl.int32)), m, log2e_over_t, MASS,
                                                      BLOCK, G)
         goal = count
         if MASS:
@@ -192,22 +192,22 @@ def _fp32_at_least(value):
 
 
 @triton.jit
-def _row_floor(x_row, vocab, row, temperature, c2, top_k_ptr, top_p_ptr, min_p_ptr, BLOCK: tl.constexpr,
+def _row_floor(x_row, vocab, row, temperature, log2e_over_t, top_k_ptr, top_p_ptr, min_p_ptr, BLOCK: tl.constexpr,
                G: tl.constexpr):
     """The floor of a row from its knobs (``kltriton.kernels.truncation``): NaN for a NaN or ``+inf`` logit,
     ``-inf`` for an all ``-inf`` row or when nothing is cut."""
     m = _row_max(x_row, vocab, BLOCK)
-    floor = tl.full((), tr.NEG_INF, tl.float32)
-    if (m > tr.NEG_INF) & (m < float("inf")):  # NaN: False
+    floor = tl.full((), rows.NEG_INF, tl.float32)
+    if (m > rows.NEG_INF) & (m < float("inf")):  # NaN: False
         min_p = tl.load(min_p_ptr + row)
         if min_p > 0:
             floor = _fp32_at_least(m.to(tl.float64) + temperature * tl.log(min_p))
         k = tl.load(top_k_ptr + row)
         if (k > 0) & (k < vocab):
-            floor = _largest_reaching(x_row, vocab, floor, m, c2, k.to(tl.float64), 1.0, False, BLOCK, G)
+            floor = _largest_reaching(x_row, vocab, floor, m, log2e_over_t, k.to(tl.float64), 1.0, False, BLOCK, G)
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1:
-            floor = _largest_reaching(x_row, vocab, floor, m, c2, 0.0, top_p, True, BLOCK, G)
+            floor = _largest_reaching(x_row, vocab, floor, m, log2e_over_t, 0.0, top_p, True, BLOCK, G)
     return tl.where((m != m) | (m == float("inf")), float("nan"), floor)
 
 
@@ -227,22 +227,22 @@ def _truncated_forward_kernel(
     row = tl.program_id(0)
     target = tl.load(target_ptr + row)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, c2 = tr.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row = logits_ptr + tr.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
+        x_row = logits_ptr + rows.row_offset(row, logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
         x_label = tl.load(x_row + target).to(tl.float32)
         if top_k_ptr is None:
             floor = tl.load(floor_ptr + row)
         else:
             temperature = tl.load(temperature_ptr + row * temperature_stride)
-            floor = _row_floor(x_row, vocab, row, temperature, c2, top_k_ptr, top_p_ptr, min_p_ptr, BLOCK, G)
+            floor = _row_floor(x_row, vocab, row, temperature, log2e_over_t, top_k_ptr, top_p_ptr, min_p_ptr, BLOCK, G)
             tl.store(floor_ptr + row, floor)
-        state = tr.stream_chunk(x_row, x_row, 0, vocab, c2, WANT, SUBTILES, LANES, VEC, floor)
-        values = tr.finalize(state, tr.below_floor_absent(x_label, floor), x_label, inv_temperature, WANT)
-        tr.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, None, None, None)
+        state = rows.stream_chunk(x_row, x_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC, floor)
+        values = rows.finalize(state, rows.below_floor_absent(x_label, floor), x_label, inv_temperature, WANT)
+        rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, None, None, None)
     else:
         if top_k_ptr is not None:
-            tl.store(floor_ptr + row, tr.NEG_INF)
-        tr.store_stats(row, tr.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, None, None, None)
+            tl.store(floor_ptr + row, rows.NEG_INF)
+        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, None, None, None)
 
 
 @triton.jit
@@ -260,33 +260,33 @@ def _truncated_backward_kernel(
     """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
     row = tl.program_id(0)
     # A NaN floor gives a NaN lse: zeros, as any row without a finite lse.
-    offs, in_vocab, grad_row, target, lse, live = tr.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
+    offs, in_vocab, grad_row, target, lse, live = rows.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
-        inv_temperature, x = tr.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
+        inv_temperature, x = rows.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
                                                logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        x = tr.below_floor_absent(x, tl.load(floor_ptr + row))
+        x = rows.below_floor_absent(x, tl.load(floor_ptr + row))
         c_p_logp = 0.0
-        if tr.BASIS_P_LOGP & TERMS:
+        if rows.BASIS_P_LOGP & TERMS:
             c_p_logp = tl.load(c_p_logp_ptr + row)
         basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, 0.0)
-        grad = tr.grad_block(x, x, offs, target, lse, 0.0, basis, inv_temperature, TERMS)
+        grad = rows.grad_block(x, x, offs, target, lse, 0.0, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
         tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def forward(logits, target, temperature, top_k, top_p, min_p, floor, wanted):
+def forward(logits, target, temperature, top_k, top_p, min_p, floor, request):
     n, vocab = num_rows(logits), logits.shape[-1]
-    stats = statistics.empty_stats(n, wanted, lambda size: torch.empty(size, dtype=torch.float32,
+    stats = statistics.empty_stats(n, request, lambda size: torch.empty(size, dtype=torch.float32,
                                                                        device=logits.device))
     given = floor is not None
     out_floor = floor if given else torch.empty(n, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out_floor, stats
-    launch = _forward_launch(vocab, logits.element_size(), wanted, given)
+    launch = _forward_launch(vocab, logits.element_size(), request, given)
     knobs = (None, None, None) if given else (top_k, top_p, min_p)
-    _truncated_forward_kernel[(n,)](*tr.view_args(logits), target, *knobs, out_floor, stats.logp, stats.lse,
+    _truncated_forward_kernel[(n,)](*rows.view_args(logits), target, *knobs, out_floor, stats.logp, stats.lse,
                                     stats.entropy if stats.entropy.numel() else None, vocab, temperature,
                                     1 if temperature.dim() else 0, **launch.constexprs, **launch.options)
     return out_floor, stats
@@ -299,6 +299,6 @@ def backward(logits, target, temperature, floor, lse, basis):
         return grad
     launch = _backward_launch(vocab, constants.P_LOGP if basis.p_logp is not None else 0)
     _truncated_backward_kernel[(n, launch.grid_split)](
-        *tr.view_args(logits), grad, target, floor, lse, basis.label, basis.p, basis.p_logp, vocab, temperature,
+        *rows.view_args(logits), grad, target, floor, lse, basis.label, basis.p, basis.p_logp, vocab, temperature,
         1 if temperature.dim() else 0, **launch.constexprs, **launch.options)
     return grad
