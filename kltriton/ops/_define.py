@@ -68,9 +68,10 @@ class Op:
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
         names = [arg for arg, _ in self.inputs] + list(self.outputs)
         assert len(set(names)) == len(names), f"kltriton::{name}: an input and an output share a name"
-        self.spans, start = {}, 0
+        self.spans, self.layout, start = {}, [], 0  # layout: (name, Group or None, start, stop) in schema order
         for arg, kind in list(self.inputs) + [(out, TENSOR) for out in self.outputs]:
             self.spans[arg] = (start, start + _width(kind))
+            self.layout.append((arg, kind if isinstance(kind, Group) else None, start, start + _width(kind)))
             start += _width(kind)
         params = []
         for arg, kind in self.inputs:
@@ -86,12 +87,9 @@ class Op:
 
     def grouped(self, flat) -> SimpleNamespace:
         """The arguments (and outputs, when ``flat`` holds them after the inputs) by name, groups built."""
-        values = {}
-        for arg, kind in list(self.inputs) + [(out, TENSOR) for out in self.outputs]:
-            start, stop = self.spans[arg]
-            if start < len(flat):
-                values[arg] = _group(kind, flat[start:stop]) if isinstance(kind, Group) else flat[start]
-        return SimpleNamespace(**values)
+        count = len(flat)
+        return SimpleNamespace(**{arg: flat[start] if group is None else _group(group, flat[start:stop])
+                                  for arg, group, start, stop in self.layout if start < count})
 
     def flatten(self, *args) -> tuple:
         flat = []
