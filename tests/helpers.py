@@ -183,3 +183,26 @@ def close_rank(report_dir, rank, report):
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     leave_world()
+
+
+def awkward_logits(shape, dtype, gen, scale=3.0, ties=False):
+    """Fresh random logits with the awkward entries of real ones: ``-inf``, ``finfo.min``, a row 40x larger (and,
+    with ``ties``, a run of 30 equal entries in row 3)."""
+    x = torch.randn(shape, generator=gen) * scale
+    flat = x.view(-1, shape[-1])
+    flat[0, 5] = float("-inf")
+    flat[1, -3] = torch.finfo(dtype).min
+    flat[2] *= 40.0
+    if ties:
+        flat[3, :30] = flat[3, 0]
+    return x.to(dtype)
+
+
+def raises_with(fn, fragment):
+    """``fn()`` raises a ValueError or TypeError whose message holds ``fragment`` (an AssertionError otherwise)."""
+    try:
+        fn()
+    except (ValueError, TypeError) as error:
+        assert fragment in str(error), f"expected {fragment!r} in: {error}"
+        return
+    raise AssertionError(f"no error (expected {fragment!r})")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, record, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, raises_with, record, value_atol
 
 B, T, V, N, H = 3, 11, 67, 17, 16
 SPLITS = {2: (7, 4), 3: (3, 5, 3)}        # T = 11 over the ranks, uneven
@@ -394,24 +394,16 @@ def run_dtensor(world, rank, group, dtype, backend):
 
 def run_errors(world, rank, group, dtype, backend):
     """Every rank raises the same clear error, before or at the same collective (none hangs)."""
-    def raises(fn, fragment):
-        try:
-            fn()
-        except (ValueError, TypeError) as error:
-            assert fragment in str(error), f"expected {fragment!r} in: {error}"
-            return
-        raise AssertionError(f"no error (expected {fragment!r})")
-
     logits = torch.randn(2, 3, V)
     labels = torch.randint(0, V, (2, 3))
-    raises(lambda: kltriton.policy_loss(logits, labels, torch.randn(2), loss_type="clip_cov", sequence_group=group),
+    raises_with(lambda: kltriton.policy_loss(logits, labels, torch.randn(2), loss_type="clip_cov", sequence_group=group),
            "sequence_group")
     rows = 2 if rank == 0 else 3  # rank 0 holds other sequences than the rest: refused on every rank
-    raises(lambda: kltriton.token_logprobs(torch.randn(rows, 3, V), torch.randint(0, V, (rows, 3)),
+    raises_with(lambda: kltriton.token_logprobs(torch.randn(rows, 3, V), torch.randint(0, V, (rows, 3)),
                                            sequence_group=group), "same sequences")
-    raises(lambda: kltriton.token_logprobs(torch.randn(5, V), torch.randint(0, V, (5,)), sequence_group=group,
+    raises_with(lambda: kltriton.token_logprobs(torch.randn(5, V), torch.randint(0, V, (5,)), sequence_group=group,
                                            cu_seqlens=torch.tensor([0, 5])), "every rank's packed tokens")
-    raises(lambda: kltriton.token_logprobs(logits, labels, sequence_group="cp"), "ProcessGroup")
+    raises_with(lambda: kltriton.token_logprobs(logits, labels, sequence_group="cp"), "ProcessGroup")
 
 
 # --- context x vocab parallel (4 ranks: 2 x 2) ------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, grad_tols, random_labels, record, spawned_backends, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, awkward_logits, close_rank, grad_tols, random_labels, record, spawned_backends, value_atol
 from kltriton import dispatch
 from kltriton.kernels.constants import ENTROPY
 from kltriton.kernels.linear import fixed
@@ -42,13 +42,7 @@ def small_gemms(monkeypatch):
 
 def _logits(shape, dtype, gen, scale=3.0):
     """Fresh logits with ``-inf``, ``finfo.min``, a large row and ties."""
-    x = torch.randn(shape, generator=gen) * scale
-    flat = x.view(-1, shape[-1])
-    flat[0, 5] = float("-inf")
-    flat[1, -3] = torch.finfo(dtype).min
-    flat[2] *= 40.0
-    flat[3, :30] = flat[3, 0]
-    return x.to(dtype)
+    return awkward_logits(shape, dtype, gen, scale, ties=True)
 
 
 def _grads(fn, *tensors, seed=7):

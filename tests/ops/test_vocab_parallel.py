@@ -22,20 +22,13 @@ import torch.multiprocessing as mp
 
 import kltriton
 from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, close_rank, leave_world, record, spawned_backends, value_atol
+from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, awkward_logits, close_rank, leave_world, record, spawned_backends, value_atol
 
 SHARDS = {2: (300, 207), 3: (400, 300, 301)}  # V = 507 and V = 1001, uneven
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _logits(shape, dtype, gen, scale=3.0):
-    """Fresh random logits with the awkward entries of real ones: ``-inf``, ``finfo.min``, a large row."""
-    x = torch.randn(shape, generator=gen) * scale
-    flat = x.view(-1, shape[-1])
-    flat[0, 5] = float("-inf")
-    flat[1, -3] = torch.finfo(dtype).min
-    flat[2] *= 40.0
-    return x.to(dtype)
+_logits = awkward_logits  # fresh random logits with the awkward entries of real ones
 
 
 class Shard:
