@@ -60,9 +60,17 @@ def _fields(kind: Group, value):
     return (None,) * len(kind.types) if value is None else tuple(value)
 
 
+_LIBRARY = torch.library.Library("kltriton", "FRAGMENT")
+
+
 class Op:
-    """A custom op with grouped arguments: call it with one value per declared argument; ``custom_op`` is the
-    ``torch.library`` op and ``flatten`` gives its schema arguments (for ``torch.library.opcheck``)."""
+    """A ``torch.library`` op with grouped arguments: call it with one value per declared argument; ``overload`` is
+    the ``torch.ops.kltriton`` op and ``flatten`` gives its schema arguments (for ``torch.library.opcheck``).
+
+    The op is defined on a ``torch.library.Library`` with its own autograd kernel rather than through
+    ``torch.library.custom_op``: custom_op's autograd path re-reads the schema once per argument on every call
+    (quadratic in the argument count: 40-150 us a call for these schemas), which is the whole host cost of a call at
+    small shapes."""
 
     def __init__(self, name, inputs, outputs, launch, fake):
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
@@ -80,10 +88,10 @@ class Op:
             else:
                 params.append(f"{kind} {arg}")
         returns = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(self.outputs)) + ")"
-        schema = f"({', '.join(params)}) -> {returns}"
-        self.custom_op = torch.library.custom_op(f"kltriton::{name}", lambda *flat: launch(self.grouped(flat)),
-                                                 mutates_args=(), schema=schema)
-        self.custom_op.register_fake(lambda *flat: fake(self.grouped(flat)))
+        _LIBRARY.define(f"{name}({', '.join(params)}) -> {returns}")
+        _LIBRARY.impl(name, lambda *flat: launch(self.grouped(flat)), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"kltriton::{name}", lambda *flat: fake(self.grouped(flat)), lib=_LIBRARY)
+        self.overload = getattr(torch.ops.kltriton, name).default
 
     def grouped(self, flat) -> SimpleNamespace:
         """The arguments (and outputs, when ``flat`` holds them after the inputs) by name, groups built."""
@@ -98,7 +106,13 @@ class Op:
         return tuple(flat)
 
     def __call__(self, *args):
-        return self.custom_op(*self.flatten(*args))
+        return self.overload(*self.flatten(*args))
+
+
+def _below_autograd(overload, keyset, flat):
+    """Run ``overload`` on the dispatch keys under autograd (the backend's kernel, a fake, a tracing mode)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *flat)
 
 
 def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optional[Callable] = None,
@@ -114,37 +128,52 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save`` names as
             attributes and ``needs_grad`` (input name -> bool, a group's: a tuple of bools), ``grads`` maps output
             names to their gradient (None when unused, with ``materialize_grads=False``). Omit it for an op that is
-            not differentiable.
+            not differentiable (its outputs never require grad).
     """
     op = Op(name, inputs, outputs, launch, fake)
     if backward is None:
+        _LIBRARY.impl(name, torch.library.fallthrough_kernel, "Autograd")
         return op
     kept = sorted({i for arg in save for i in range(*op.spans[arg])})
     n_inputs = op.spans[op.inputs[-1][0]][1]
 
-    def setup_context(ctx, inputs, output):
-        flat = list(inputs) + list(output if isinstance(output, (tuple, list)) else (output,))
-        ctx.tensor_slots = [i for i in kept if isinstance(flat[i], torch.Tensor)]
-        ctx.save_for_backward(*(flat[i] for i in ctx.tensor_slots))
-        ctx.plain = {i: flat[i] for i in kept if i not in ctx.tensor_slots}
-        ctx.set_materialize_grads(materialize_grads)
+    class Function(torch.autograd.Function):
+        """The op's autograd node: the forward runs below autograd and saves the ``save`` slots."""
 
-    def autograd_backward(ctx, *grads):
-        flat = [None] * (n_inputs + len(op.outputs))
-        for i, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
-            flat[i] = tensor
-        for i, value in ctx.plain.items():
-            flat[i] = value
-        saved = op.grouped(flat)
-        needs = list(ctx.needs_input_grad)
-        saved.needs_grad = {arg: tuple(needs[slice(*op.spans[arg])]) if isinstance(kind, Group)
-                            else needs[op.spans[arg][0]] for arg, kind in op.inputs}
-        out = [None] * n_inputs
-        for arg, grad in backward(saved, dict(zip(op.outputs, grads))).items():
-            start, _ = op.spans[arg]
-            for i, g in enumerate(grad if isinstance(grad, tuple) else (grad,)):
-                out[start + i] = g
-        return tuple(out)
+        @staticmethod
+        def forward(ctx, keyset, *flat_inputs):
+            output = _below_autograd(op.overload, keyset, flat_inputs)
+            flat = flat_inputs + (output if isinstance(output, tuple) else (output,))
+            ctx.tensor_slots = [i for i in kept if isinstance(flat[i], torch.Tensor)]
+            ctx.save_for_backward(*(flat[i] for i in ctx.tensor_slots))
+            ctx.plain = {i: flat[i] for i in kept if i not in ctx.tensor_slots}
+            ctx.set_materialize_grads(materialize_grads)
+            return output
 
-    op.custom_op.register_autograd(autograd_backward, setup_context=setup_context)
+        @staticmethod
+        def backward(ctx, *grads):
+            flat = [None] * (n_inputs + len(op.outputs))
+            for i, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+                flat[i] = tensor
+            for i, value in ctx.plain.items():
+                flat[i] = value
+            saved = op.grouped(flat)
+            needs = ctx.needs_input_grad[1:]  # [0] is the dispatch key set
+            saved.needs_grad = {arg: tuple(needs[slice(*op.spans[arg])]) if isinstance(kind, Group)
+                                else needs[op.spans[arg][0]] for arg, kind in op.inputs}
+            out = [None] * n_inputs
+            for arg, grad in backward(saved, dict(zip(op.outputs, grads))).items():
+                start, _ = op.spans[arg]
+                for i, g in enumerate(grad if isinstance(grad, tuple) else (grad,)):
+                    out[start + i] = g
+            return (None, *out)
+
+    Function.__name__ = f"{name}_backward_node"
+
+    def autograd_kernel(keyset, *flat):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*flat):
+            return Function.apply(keyset, *flat)
+        return _below_autograd(op.overload, keyset, flat)
+
+    _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     return op

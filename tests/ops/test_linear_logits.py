@@ -257,7 +257,7 @@ def test_opcheck(backend_name):
     if not usable:
         pytest.skip(why)
     for op, args in op_samples(backend_name):
-        torch.library.opcheck(op.custom_op, op.flatten(*args))
+        torch.library.opcheck(op.overload, op.flatten(*args))
 
 
 def test_compile_fullgraph_matches_eager():

@@ -379,7 +379,7 @@ def test_opcheck(backend_name, quantile):
     # `grad` in place (no copy), which that test sees as an output that differs from the compiled
     # one. Under torch.compile the backward scales out of place; test_compile_fullgraph_matches_eager
     # checks its values and gradients.
-    torch.library.opcheck(loss.custom_op, fused_args(backend_name, quantile=quantile),
+    torch.library.opcheck(loss.overload, fused_args(backend_name, quantile=quantile),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     torch.library.opcheck(loss_scale_, (torch.randn(5, 7), torch.tensor(0.5), backend_name))
 
@@ -529,12 +529,12 @@ def test_linear_opcheck(backend_name):
     if not usable:
         pytest.skip(why)
     args = linear_fused_args(backend_name)
-    torch.library.opcheck(loss.custom_op, loss.flatten(*args),
+    torch.library.opcheck(loss.overload, loss.flatten(*args),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     masked = list(args)
     masked[4] = masked[4]._replace(w_ent=0.0 * masked[4].w_ent)
     masked[8], masked[11] = False, torch.tensor(0.5, dtype=torch.float64)
-    torch.library.opcheck(loss.custom_op, loss.flatten(*masked),
+    torch.library.opcheck(loss.overload, loss.flatten(*masked),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

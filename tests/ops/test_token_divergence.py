@@ -550,7 +550,7 @@ def test_opcheck(backend_name):
         # ops); under torch.compile it scales out of place: test_compile_fullgraph_matches_eager checks it.
         in_place = op is ops.divergence_loss
         test_utils = ("test_schema", "test_autograd_registration", "test_faketensor") if in_place else None
-        torch.library.opcheck(op.custom_op, op.flatten(*args), **({"test_utils": test_utils} if in_place else {}))
+        torch.library.opcheck(op.overload, op.flatten(*args), **({"test_utils": test_utils} if in_place else {}))
 
 
 def _loss_fn(student, teacher, ids, topk, labels, beta, temperature):

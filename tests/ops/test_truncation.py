@@ -306,10 +306,10 @@ def test_replay_ops_pass_opcheck(tbackend):
     target = torch.where(ids[:, 0] >= 0, ids[:, 0], 3)
     target[1] = constants.SKIP
     temperature = torch.tensor(0.8, dtype=torch.float64)
-    torch.library.opcheck(ops._columns_op.custom_op, (logits, ids, tbackend))
+    torch.library.opcheck(ops._columns_op.overload, (logits, ids, tbackend))
     values = ops.replay_columns(logits.detach(), ids, tbackend).requires_grad_()
     for request in (0, constants.ENTROPY):
-        torch.library.opcheck(ops._replay_statistics_op.custom_op, (values, ids, target, temperature, request,
+        torch.library.opcheck(ops._replay_statistics_op.overload, (values, ids, target, temperature, request,
                                                                     tbackend))
 
 
