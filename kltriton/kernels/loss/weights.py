@@ -156,41 +156,36 @@ def geometric_mean_per_sequence(weights, scored, sequences: Sequences):
 
 # --- metrics ------------------------------------------------------------------------------------
 
-def _masked_extreme(values, scored, reduce, neutral):
-    """``reduce`` (``amax`` / ``amin``) over the scored entries; ``neutral`` where there are none (an empty
-    batch included: a reduction of zero elements has no value)."""
-    fill = torch.full((1,), neutral, dtype=values.dtype, device=values.device)
-    return reduce(torch.cat([torch.where(scored, values, fill), fill])).reshape(1)
-
-
 def metrics(token, scored, entropy, importance: Optional[ImportanceWeights], sums: dict, given: dict,
             sequences: Sequences) -> dict:
     """The policy loss's metrics (0-dim fp32, detached, no host sync) from its per-token terms (``terms.TokenTerms``),
     ``sums`` (name -> ``(numerator, denominator or None)``, 0-dim sums over this rank's rows: the metric is their
     quotient over every rank's rows) and ``given`` (name -> 0-dim tensor, as it is). Under a sequence group every
-    metric is the whole batch's: the sums in ONE all-reduce, the ratio's extremes in one more."""
-    ratio = token.ratio.float()
-    means = {"clipfrac": token.clipped.float(), "clipfrac_lower": token.clipped_lower.float(),
-             "ppo_kl": -token.log_ratio.float(), "kl_mean": token.kl.float().detach(),
-             "entropy_mean": entropy.float().detach()}
+    metric is the whole batch's: the sums in ONE all-reduce, the ratio's extremes in one more. The per-token means
+    are one masked sum of the stacked terms (a handful of ops per call, not a handful per metric)."""
+    means = {"clipfrac": token.clipped, "clipfrac_lower": token.clipped_lower, "ppo_kl": -token.log_ratio,
+             "kl_mean": token.kl.detach(), "entropy_mean": entropy.detach()}
     if importance is not None:
-        means.update(is_weight_mean=importance.weights.float(), is_masked_frac=importance.outside.float(),
-                     mismatch_k3=(torch.expm1(importance.log_ratio) - importance.log_ratio).float())
-    parts = [torch.where(scored, value, torch.zeros_like(value)).sum() for value in means.values()]
-    parts.append(scored.float().sum())
+        means.update(is_weight_mean=importance.weights, is_masked_frac=importance.outside,
+                     mismatch_k3=torch.expm1(importance.log_ratio) - importance.log_ratio)
+    stacked = torch.stack([value.detach().float() for value in means.values()] + [scored.float()])  # [M + 1, N]
+    parts = [torch.where(scored, stacked, 0.0).sum(dim=-1)]
     for numerator, denominator in sums.values():
-        parts += [numerator.float()] if denominator is None else [numerator.float(), denominator.float()]
-    totals = iter(sequences.across(torch.stack(parts).detach()).unbind())
+        parts += [numerator.detach().float().reshape(1)]
+        parts += [] if denominator is None else [denominator.detach().float().reshape(1)]
+    totals = iter(sequences.across(torch.cat(parts)).unbind())
     out = {name: next(totals) for name in means}
     count = next(totals)
     out = {name: value / count.clamp(min=1) for name, value in out.items()}
     for name, (_, denominator) in sums.items():
         numerator = next(totals)
         out[name] = numerator if denominator is None else numerator / next(totals).clamp(min=1)
-    high, low = sequences.maximum(torch.cat([_masked_extreme(ratio, scored, torch.amax, float("-inf")),
-                                             -_masked_extreme(ratio, scored, torch.amin, float("inf"))]))
+    # the ratio's largest and (negated) smallest scored value; a -inf column keeps an empty batch reducible
+    ratio = token.ratio.detach().float()
+    signed = torch.where(scored, torch.stack([ratio, -ratio]), float("-inf"))
+    high, low = sequences.maximum(torch.cat([signed, signed.new_full((2, 1), float("-inf"))], dim=1).amax(dim=1))
     zero = torch.zeros((), dtype=torch.float32, device=scored.device)
     out["ratio_max"] = torch.where(count > 0, high, zero)
     out["ratio_min"] = torch.where(count > 0, -low, zero)
-    out.update({name: value.float() for name, value in given.items()})
-    return {k: v.detach() for k, v in out.items()}
+    out.update({name: value.detach().float() for name, value in given.items()})
+    return out
