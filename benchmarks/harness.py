@@ -230,13 +230,22 @@ def peak_in_child(module: str, args: list, **extra_env):
 
 
 def lm_head_arguments(parser):
-    """The ``--tokens / --hidden / --vocab / --dtype / --rounds`` of the LM-head benchmarks (``LinearLogits``)."""
+    """The ``--tokens / --hidden / --vocab / --dtype / --rounds / --out`` of the LM-head benchmarks
+    (``LinearLogits``)."""
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the rows to this JSON file")
     return parser
+
+
+def save_rows(rows, path) -> None:
+    """Write ``rows`` to the JSON file ``path`` (``--out``); nothing when ``path`` is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def missing_note(library: str, *names: str):
