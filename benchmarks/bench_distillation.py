@@ -117,7 +117,7 @@ def peak_child(args):
 
     kltriton.set_validation(False)
     name, tokens, hidden, vocab, dtype, topk = args
-    return harness._peak_rss_above(call(name, make(tokens, hidden, vocab, harness.DTYPES[dtype], topk)))
+    return harness.peak_rss_above(call(name, make(tokens, hidden, vocab, harness.DTYPES[dtype], topk)))
 
 
 def _median(times):

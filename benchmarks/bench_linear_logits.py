@@ -86,7 +86,7 @@ def peak_child(args):
     """Runs in a fresh process: peak bytes above the inputs of one call."""
     name, mode, tokens, hidden, vocab, dtype = args
     h, w, labels, grad = make(tokens, hidden, vocab, harness.DTYPES[dtype])
-    return harness._peak_rss_above(call(name, mode, h, w, labels, grad))
+    return harness.peak_rss_above(call(name, mode, h, w, labels, grad))
 
 
 def run(tokens, hidden, vocab, dtype, rounds=3, log=print):

@@ -173,7 +173,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _peak_rss_above(call) -> int:
+def peak_rss_above(call) -> int:
+    """Peak resident bytes of a second ``call()`` above the process's size before it (the first one warms up;
+    Linux: the high-water mark reset through ``/proc/self/clear_refs``)."""
     call()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -198,7 +200,7 @@ def memory_child(op_module: str, case: Case, names: list) -> dict:
             inputs.logits.requires_grad_(False)
             try:
                 call = _mode_fn(op.methods("cpu")[name][1](inputs), inputs, mode)
-                peaks[f"{name}/{mode}"] = _peak_rss_above(call)
+                peaks[f"{name}/{mode}"] = peak_rss_above(call)
             except Exception:  # noqa: BLE001 - reported as a missing number, the timing row has the note
                 peaks[f"{name}/{mode}"] = None
             call = None
