@@ -1,6 +1,8 @@
 // The invariant family's ops on the CPU (kltriton/kernels/invariant/cpp.py): the row kernels of invariant.h, rows
 // in parallel. invariant_forward reads each row from memory once for both passes (the row stays in cache between
 // its maximum and its sums).
+#include <torch/library.h>
+
 #include "invariant.h"
 #include "row_forward.h"  // kEntropy
 
@@ -132,3 +134,9 @@ std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("invariant_maxima", &kltriton_cpp::invariant_maxima);
+  m.impl("invariant_sums", &kltriton_cpp::invariant_sums);
+  m.impl("invariant_forward", &kltriton_cpp::invariant_forward);
+}
