@@ -148,6 +148,20 @@ def temperature_of(temperature_ptr, temperature_stride, row):
 
 
 @triton.jit
+def program_row(target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer,
+                logits_outer_stride, logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                ref_inner_stride):
+    """What a row kernel reads first of its program's row (grid axis 0): ``(row, target, 1 / T, log2(e) / T, x_row,
+    y_row)``, the row's label (``< 0``: not scored, its logits are not to be read), its temperature
+    (``temperature_of``) and the pointers to its policy and reference logits (``row_pointers``)."""
+    row = tl.program_id(0)
+    inv_temperature, log2e_over_t = temperature_of(temperature_ptr, temperature_stride, row)
+    x_row, y_row = row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,
+                                ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    return row, tl.load(target_ptr + row), inv_temperature, log2e_over_t, x_row, y_row
+
+
+@triton.jit
 def clamp(value, low, high):
     """``min(max(value, low), high)``, NaN kept (as ``torch.clamp``)."""
     return tl.minimum(tl.maximum(value, low, propagate_nan=tl.PropagateNan.ALL), high,

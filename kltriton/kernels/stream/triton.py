@@ -82,14 +82,12 @@ def _stream_forward_kernel(
     CHUNK: tl.constexpr,
 ):
     """Grid ``(N, SPLIT)``: program ``(row, k)`` reduces vocab chunk ``k`` of ``row``. With one chunk it
-    stores the statistics; otherwise the chunk's state, merged by ``_stream_combine_kernel``."""
-    row = tl.program_id(0)
-    target = tl.load(target_ptr + row)
+    stores the statistics; otherwise the chunk's state, merged by ``_stream_combine_kernel``. Program ``(row, 0)`` of
+    a skipped row stores its statistics."""
+    row, target, inv_temperature, log2e_over_t, x_row, y_row = rows.program_row(
+        target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
         if SPLIT == 1:
             x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
             state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
@@ -101,7 +99,7 @@ def _stream_forward_kernel(
             lo = part * CHUNK
             state = rows.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), log2e_over_t, WANT, SUBTILES, LANES, VEC)
             rows.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE, state)
-    elif SPLIT == 1:
+    elif tl.program_id(1) == 0:  # whatever SPLIT: the combine kernel merges the scored rows only
         rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
                        full_kl_ptr, forward_kl_ptr)
 
@@ -117,14 +115,12 @@ def _stream_combine_kernel(
     temperature_ptr, temperature_stride,
     WANT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
 ):
-    """Grid ``(N,)``: merge a row's ``SPLIT`` chunk states in chunk order and store its statistics."""
-    row = tl.program_id(0)
-    target = tl.load(target_ptr + row)
+    """Grid ``(N,)``: merge a scored row's ``SPLIT`` chunk states in chunk order and store its statistics (a skipped
+    row's are the forward kernel's)."""
+    row, target, inv_temperature, log2e_over_t, x_row, y_row = rows.program_row(
+        target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if target >= 0:
-        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
         x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)
         part = tl.arange(0, SPLIT_P2)
         parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE
@@ -132,9 +128,6 @@ def _stream_combine_kernel(
         values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
         rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                        forward_kl_ptr)
-    else:
-        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr, forward_kl_ptr)
 
 
 @triton.jit
