@@ -24,7 +24,7 @@ def _combine_launch(split: int, request: int) -> rows.Launch:
                      dict(num_warps=1, enable_fp_fusion=True), 1)
 
 
-def _backward_launch(vocab: int) -> rows.Launch:
+def backward_launch(vocab: int) -> rows.Launch:
     block = rows.backward_block(vocab)
     return rows.Launch(dict(BLOCK_V=block), rows.options(), block, triton.cdiv(vocab, block))
 
@@ -61,10 +61,10 @@ def launches(vocab: int, elem_bytes: int):
     optional = constants.BASIS_BITS
     for terms in range(sum(optional.values()) + 1):
         name = _variant_name("bwd", [(term.replace("_", ""), terms & bit) for term, bit in optional.items()])
-        launch = _backward_launch(vocab)
+        launch = backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
         absent = [] if terms & constants.BASIS_NEEDS_REF else ["ref_ptr", "ref_lse_ptr"]
-        out.append(("_stream_backward_kernel", launch, name, absent))
+        out.append(("_stream_backward_kernel", launch, name, absent + ["floor_ptr"]))
     return out
 
 
@@ -138,17 +138,21 @@ def _stream_backward_kernel(
     target_ptr,                 # [N] int64
     lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
     basis_ptr,                  # [N, len(GRADIENT_BASIS)] fp32 gradient basis (/ T), absent terms not read
+    floor_ptr,                  # [N] fp32: the policy's logits below it have no mass (a truncation), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
+    """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction. With a floor (the
+    truncation family's backward) the policy's logits below it are read as ``-inf``: no gradient there."""
     row = tl.program_id(0)
     offs, in_vocab, grad_row, target, lse, live = rows.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
         inv_temperature, x = rows.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
                                                logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        if floor_ptr is not None:
+            x = rows.below_floor_absent(x, tl.load(floor_ptr + row))
         y = x
         ref_lse = 0.0
         if (rows.BASIS_P_LOGQ | rows.BASIS_Q) & TERMS:
@@ -183,17 +187,19 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     return stats
 
 
-def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis, floor=None) -> torch.Tensor:
+    """The family's backward; ``floor`` (``[N]`` fp32, the truncation family's): the policy's logits below it have no
+    mass."""
     n, vocab = num_rows(logits), logits.shape[-1]
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
     coefficients, terms = rows.stacked_basis(basis)
     with_ref = basis.reads_ref()
-    launch = _backward_launch(vocab)
+    launch = backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
         *rows.view_args(logits), *rows.view_args(ref_logits if with_ref else None), grad, target,
-        lse, ref_lse if with_ref else None, coefficients, vocab, temperature, 1 if temperature.dim() else 0,
+        lse, ref_lse if with_ref else None, coefficients, floor, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad
