@@ -13,7 +13,6 @@ one fresh process per row (``harness.CPU_MEM_METHOD``), in MiB above the inputs,
 included.
 """
 import argparse
-import json
 
 import torch
 
@@ -118,7 +117,7 @@ def peak_child(args):
 
     kltriton.set_validation(False)
     name, tokens, hidden, vocab, dtype, topk = args
-    return harness._peak_rss_above(call(name, make(tokens, hidden, vocab, harness.DTYPES[dtype], topk)))
+    return harness.peak_rss_above(call(name, make(tokens, hidden, vocab, harness.DTYPES[dtype], topk)))
 
 
 def _median(times):
@@ -173,13 +172,10 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--only", default=None, help="comma-separated method names (default: all)")
-    p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     only = a.only.split(",") if a.only else None
     rows = run(a.tokens, a.hidden, a.vocab, a.dtype, a.topk, a.rounds, memory=not a.no_memory, only=only)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    harness.save_rows(rows, a.out)
     return 0
 
 

@@ -11,7 +11,6 @@ CPU peak memory: one fresh process per row (``harness.CPU_MEM_METHOD``), in MiB 
 ``policy_loss`` on ``LinearLogits`` instead (fused, two-pass, eager; against its 3-GEMM floor).
 """
 import argparse
-import json
 
 import torch
 
@@ -87,7 +86,7 @@ def peak_child(args):
     """Runs in a fresh process: peak bytes above the inputs of one call."""
     name, mode, tokens, hidden, vocab, dtype = args
     h, w, labels, grad = make(tokens, hidden, vocab, harness.DTYPES[dtype])
-    return harness._peak_rss_above(call(name, mode, h, w, labels, grad))
+    return harness.peak_rss_above(call(name, mode, h, w, labels, grad))
 
 
 def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
@@ -191,14 +190,11 @@ def run_policy_loss(tokens, hidden, vocab, dtype, rounds=3, log=print):
 
 def main(argv=None):
     p = harness.lm_head_arguments(argparse.ArgumentParser(description=__doc__))
-    p.add_argument("--out", default=None)
     p.add_argument("--policy-loss", action="store_true",
                    help="time policy_loss on LinearLogits (fwd + bwd w.r.t. hidden and weight) instead")
     a = p.parse_args(argv)
     rows = (run_policy_loss if a.policy_loss else run)(a.tokens, a.hidden, a.vocab, a.dtype, a.rounds)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    harness.save_rows(rows, a.out)
     return 0
 
 

@@ -35,6 +35,15 @@ def temp(value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
+def logits_pair(batch: int, seq: int, vocab: int, gen: torch.Generator):
+    """``(x, ref, labels)`` drawn from ``gen``: policy logits ``[batch, seq, vocab]`` (scale 2), reference logits
+    near them (``x + 0.1`` noise) and labels ``[batch, seq]``, the inputs of the scripts that time two ways of running
+    the same ops on them (``cpu_loss_ratios``, ``cpu_invariant_cost``)."""
+    x = torch.randn(batch, seq, vocab, generator=gen) * 2
+    ref = x + 0.1 * torch.randn(batch, seq, vocab, generator=gen)
+    return x, ref, torch.randint(0, vocab, (batch, seq), generator=gen)
+
+
 def timeit(fn, repeat: int) -> float:
     """Best wall time in seconds of ``repeat`` runs after a warm-up (robust to other load on a small box)."""
     return min(time_ms(fn, "cpu", cpu_target_s=0.0, min_repeats=repeat)) / 1e3

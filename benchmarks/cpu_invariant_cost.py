@@ -30,16 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kltriton  # noqa: E402
-from benchmarks.cpu_cpp_ratios import cpu_name, git_commit  # noqa: E402
+from benchmarks.cpu_cpp_ratios import cpu_name, git_commit, logits_pair  # noqa: E402
 
 B, T, V = 8, 128, 32000
 
 
 def inputs():
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(B, T, V, generator=gen) * 2
-    ref = x + 0.1 * torch.randn(B, T, V, generator=gen)
-    labels = torch.randint(0, V, (B, T), generator=gen)
+    x, ref, labels = logits_pair(B, T, V, gen)
     weights = torch.randn(B, T, generator=gen)
     return x, ref, labels, weights
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import kltriton  # noqa: E402
 from benchmarks.bench_policy_loss import verl_vanilla  # noqa: E402
-from benchmarks.cpu_cpp_ratios import cpu_name, git_commit  # noqa: E402
+from benchmarks.cpu_cpp_ratios import cpu_name, git_commit, logits_pair  # noqa: E402
 from kltriton.kernels import cpp_library  # noqa: E402
 
 B, T, V = 16, 128, 32000
@@ -43,9 +43,7 @@ CLIP_LOW, CLIP_HIGH, KL_COEF = 0.2, 0.28, 0.04
 
 def inputs():
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(B, T, V, generator=gen) * 2
-    ref = x + 0.1 * torch.randn(B, T, V, generator=gen)
-    labels = torch.randint(0, V, (B, T), generator=gen)
+    x, ref, labels = logits_pair(B, T, V, gen)
     with torch.no_grad():
         old = kltriton.token_logprobs(x, labels, backend="cpp") + 0.2 * torch.randn(B, T, generator=gen)
     return x, ref, labels, old, torch.randn(B, generator=gen), torch.ones(B, T, dtype=torch.bool)

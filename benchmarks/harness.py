@@ -173,7 +173,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _peak_rss_above(call) -> int:
+def peak_rss_above(call) -> int:
+    """Peak resident bytes of a second ``call()`` above the process's size before it (the first one warms up;
+    Linux: the high-water mark reset through ``/proc/self/clear_refs``)."""
     call()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -198,7 +200,7 @@ def memory_child(op_module: str, case: Case, names: list) -> dict:
             inputs.logits.requires_grad_(False)
             try:
                 call = _mode_fn(op.methods("cpu")[name][1](inputs), inputs, mode)
-                peaks[f"{name}/{mode}"] = _peak_rss_above(call)
+                peaks[f"{name}/{mode}"] = peak_rss_above(call)
             except Exception:  # noqa: BLE001 - reported as a missing number, the timing row has the note
                 peaks[f"{name}/{mode}"] = None
             call = None
@@ -230,13 +232,22 @@ def peak_in_child(module: str, args: list, **extra_env):
 
 
 def lm_head_arguments(parser):
-    """The ``--tokens / --hidden / --vocab / --dtype / --rounds`` of the LM-head benchmarks (``LinearLogits``)."""
+    """The ``--tokens / --hidden / --vocab / --dtype / --rounds / --out`` of the LM-head benchmarks
+    (``LinearLogits``)."""
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the rows to this JSON file")
     return parser
+
+
+def save_rows(rows, path) -> None:
+    """Write ``rows`` to the JSON file ``path`` (``--out``); nothing when ``path`` is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def missing_note(library: str, *names: str):

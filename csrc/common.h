@@ -1,9 +1,9 @@
-// Shared helpers of the kltriton C++ CPU backend: SIMD math, row addressing, argument checks and the op
-// declarations. The row kernels are inline templates in row_forward.h, row_backward.h and
-// loss_coefficients.h; each op is a thin translation unit (stream_forward.cpp, stream_backward.cpp,
-// loss_forward.cpp) registered in ops.cpp. Every value shared with Python (target sentinels, request
-// and basis bits, statistic indices, hyperparameter slots) comes from kltriton/kernels/constants.py as
-// a -D flag.
+// Shared helpers of the kltriton C++ CPU backend: SIMD math, row addressing and argument checks. The row
+// kernels are inline templates in row_forward.h, row_backward.h and loss_coefficients.h; each op is defined
+// in a thin translation unit (stream_forward.cpp, stream_backward.cpp, loss_forward.cpp, ...) that registers
+// it as the op's CPU kernel there (TORCH_LIBRARY_IMPL), so its signature is written once; ops.cpp holds
+// the schemas. Every value shared with Python (target sentinels, request and basis bits, statistic indices,
+// hyperparameter slots) comes from kltriton/kernels/constants.py as a -D flag.
 //
 // Compiled with the instruction-set flags of the machine's ATen CPU capability
 // (-DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512 ...), so at::vec::Vectorized<float>
@@ -359,64 +359,5 @@ at::Tensor gradient_buffer(int64_t N, int64_t V, const at::TensorOptions& option
 
 // Gives the cached gradient block (if any) back to the OS; returns its size in bytes.
 int64_t empty_gradient_cache();
-
-std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                                       const at::Tensor& target, const at::Tensor& temperature, int64_t wanted);
-
-at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                           const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                           const std::optional<at::Tensor>& ref_lse,
-                           const c10::List<std::optional<at::Tensor>>& basis);
-
-std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                                     const at::Tensor& target, const at::Tensor& temperature,
-                                     const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
-                                     const at::Tensor& w_pg, const at::Tensor& w_kl, const at::Tensor& w_ent,
-                                     const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters,
-                                     const std::string& loss_type, const std::string& estimator,
-                                     bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy);
-
-at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
-                             const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
-                             const at::Tensor& w_pg, const at::Tensor& w_kl, const std::optional<at::Tensor>& full_kl,
-                             const at::Tensor& hyperparameters, const std::string& loss_type,
-                             const std::string& estimator, bool straight_through);
-
-void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Tensor& target,
-                      const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& c_label,
-                      const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
-
-void loss_scale_(at::Tensor& grad, const at::Tensor& upstream);
-
-std::vector<at::Tensor> truncated_forward(const at::Tensor& logits3d, const at::Tensor& target,
-                                          const at::Tensor& temperature, const at::Tensor& top_k,
-                                          const at::Tensor& top_p, const at::Tensor& min_p,
-                                          const std::optional<at::Tensor>& floor, int64_t wanted);
-
-at::Tensor truncated_backward(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
-                              const at::Tensor& floor, const at::Tensor& lse, const at::Tensor& c_label,
-                              const at::Tensor& c_p, const std::optional<at::Tensor>& c_p_logp);
-
-at::Tensor replay_support(const at::Tensor& ids);
-
-at::Tensor replay_columns(const at::Tensor& logits3d, const at::Tensor& ids);
-
-std::vector<at::Tensor> replay_forward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
-                                       const at::Tensor& temperature, int64_t wanted);
-
-at::Tensor replay_backward(const at::Tensor& values, const at::Tensor& ids, const at::Tensor& target,
-                           const at::Tensor& temperature, const at::Tensor& row_max, const at::Tensor& log_mass,
-                           const at::Tensor& c_label, const at::Tensor& c_p,
-                           const std::optional<at::Tensor>& c_p_logp);
-
-at::Tensor replay_scatter(const at::Tensor& columns, const at::Tensor& ids, int64_t V, at::ScalarType dtype);
-
-std::vector<at::Tensor> jsd_forward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
-                                    const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
-                                    const at::Tensor& beta);
-
-at::Tensor jsd_backward(const at::Tensor& logits3d, const at::Tensor& ref3d, const at::Tensor& target,
-                        const at::Tensor& temperature, const at::Tensor& lse, const at::Tensor& ref_lse,
-                        const at::Tensor& beta, const at::Tensor& kl_student, const at::Tensor& coef);
 
 }  // namespace kltriton_cpp

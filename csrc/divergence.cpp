@@ -1,5 +1,7 @@
 // The divergence family's ops on the CPU: the generalized JSD's second pass and its gradient (row_mixture.h),
 // rows in parallel.
+#include <torch/library.h>
+
 #include "row_backward.h"
 #include "row_mixture.h"
 
@@ -119,3 +121,8 @@ at::Tensor jsd_backward(const at::Tensor& logits3d, const at::Tensor& ref3d, con
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
+  m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
+}

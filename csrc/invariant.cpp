@@ -1,6 +1,8 @@
 // The invariant family's ops on the CPU (kltriton/kernels/invariant/cpp.py): the row kernels of invariant.h, rows
 // in parallel. invariant_forward reads each row from memory once for both passes (the row stays in cache between
 // its maximum and its sums).
+#include <torch/library.h>
+
 #include "invariant.h"
 #include "row_forward.h"  // kEntropy
 
@@ -17,14 +19,20 @@ const float* floor_of(const std::optional<at::Tensor>& floor, int64_t N) {
   return floor->data_ptr<float>();
 }
 
-// fn(tag, floor_tag) with T the logits' C++ type and FLOOR whether a floor is given.
+// fn(tag, floor_tag, n) for every row n < N, rows in parallel, with T = typename decltype(tag)::type the logits' C++
+// type and FLOOR = decltype(floor_tag)::value whether a floor is given.
 template <typename F>
-void with_logits(const at::Tensor& logits3d, const float* floor, F&& fn) {
+void for_each_row(const at::Tensor& logits3d, const float* floor, int64_t N, int64_t V, F&& fn) {
   with_dtype(logits3d.scalar_type(), [&](auto tag) {
+    const auto rows = [&](auto floor_tag) {
+      at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) fn(tag, floor_tag, n);
+      });
+    };
     if (floor != nullptr) {
-      fn(tag, std::true_type{});
+      rows(std::true_type{});
     } else {
-      fn(tag, std::false_type{});
+      rows(std::false_type{});
     }
   });
 }
@@ -60,14 +68,10 @@ at::Tensor invariant_maxima(const at::Tensor& logits3d, const at::Tensor& target
   float* po = out.data_ptr<float>();
   const int64_t* tgt = target.data_ptr<int64_t>();
   const Rows3d X(logits3d);
-  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
+  for_each_row(logits3d, pf, N, V, [&](auto tag, auto has_floor, int64_t n) {
     using T = typename decltype(tag)::type;
     constexpr bool FLOOR = decltype(has_floor)::value;
-    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        po[n] = tgt[n] >= 0 ? invariant_row_max<T, FLOOR>(X.row<T>(n), V, FLOOR ? pf[n] : -kInf) : -kInf;
-      }
-    });
+    po[n] = tgt[n] >= 0 ? invariant_row_max<T, FLOOR>(X.row<T>(n), V, FLOOR ? pf[n] : -kInf) : -kInf;
   });
   return out;
 }
@@ -86,16 +90,12 @@ at::Tensor sums_around(const at::Tensor& logits3d, const at::Tensor& target, con
   const int64_t* tgt = target.data_ptr<int64_t>();
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   const Rows3d X(logits3d);
-  with_logits(logits3d, pf, [&](auto tag, auto has_floor) {
+  for_each_row(logits3d, pf, N, V, [&](auto tag, auto has_floor, int64_t n) {
     using T = typename decltype(tag)::type;
     constexpr bool FLOOR = decltype(has_floor)::value;
-    at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const T* x = X.row<T>(n);
-        const bool read = tgt[n] >= 0;
-        row_sums<T, FLOOR>(x, V, n, maximum(x, n, read, has_floor), read, entropy, temp, pf, mass, weighted);
-      }
-    });
+    const T* x = X.row<T>(n);
+    const bool read = tgt[n] >= 0;
+    row_sums<T, FLOOR>(x, V, n, maximum(x, n, read, has_floor), read, entropy, temp, pf, mass, weighted);
   });
   return out;
 }
@@ -132,3 +132,9 @@ std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("invariant_maxima", &kltriton_cpp::invariant_maxima);
+  m.impl("invariant_sums", &kltriton_cpp::invariant_sums);
+  m.impl("invariant_forward", &kltriton_cpp::invariant_forward);
+}

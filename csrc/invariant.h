@@ -129,13 +129,4 @@ inline float invariant_scale(const Temperatures& temp, int64_t n) {
   return static_cast<float>((static_cast<double>(hi) + lo) / kZUnit);
 }
 
-at::Tensor invariant_maxima(const at::Tensor& logits3d, const at::Tensor& target, const std::optional<at::Tensor>& floor);
-
-at::Tensor invariant_sums(const at::Tensor& logits3d, const at::Tensor& target, const at::Tensor& temperature,
-                          const at::Tensor& row_max, const std::optional<at::Tensor>& floor, int64_t wanted);
-
-std::vector<at::Tensor> invariant_forward(const at::Tensor& logits3d, const at::Tensor& target,
-                                          const at::Tensor& temperature, const std::optional<at::Tensor>& floor,
-                                          int64_t wanted);
-
 }  // namespace kltriton_cpp

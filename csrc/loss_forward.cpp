@@ -2,6 +2,8 @@
 // the streaming statistics (row_forward.h), the row's loss derivative and gradient basis
 // (loss_coefficients.h), then the gradient pass (row_backward.h) on the same row: the logits are read
 // from memory once and the gradient written once.
+#include <torch/library.h>
+
 #include "loss_coefficients.h"
 
 namespace kltriton_cpp {
@@ -209,3 +211,10 @@ void loss_scale_(at::Tensor& grad, const at::Tensor& upstream) {
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("loss_forward", &kltriton_cpp::loss_forward);
+  m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
+  m.impl("loss_accumulate_", &kltriton_cpp::loss_accumulate_);
+  m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
+}

@@ -1,10 +1,10 @@
-// Registers the kltriton C++ CPU backend as torch ops (namespace kltriton_cpp; the namespace
+// Defines the kltriton C++ CPU backend's torch ops (namespace kltriton_cpp; the namespace
 // "kltriton" belongs to the Python custom ops), reached from Python as torch.ops.kltriton_cpp.<op>
-// by each family's cpp.py once kltriton/kernels/cpp_library.py has loaded the library.
+// by each family's cpp.py once kltriton/kernels/cpp_library.py has loaded the library. Each op's
+// CPU kernel is registered where it is defined (TORCH_LIBRARY_IMPL at the end of its .cpp).
 #include <torch/library.h>
 
 #include "common.h"
-#include "invariant.h"
 
 #define KLT_STR2(x) #x
 #define KLT_STR(x) KLT_STR2(x)
@@ -68,27 +68,6 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "Tensor[]");
   m.def("build_info() -> str", &kltriton_cpp::build_info);
   m.def("empty_gradient_cache() -> int", &kltriton_cpp::empty_gradient_cache);
-}
-
-TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
-  m.impl("stream_forward", &kltriton_cpp::stream_forward);
-  m.impl("stream_backward", &kltriton_cpp::stream_backward);
-  m.impl("loss_forward", &kltriton_cpp::loss_forward);
-  m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
-  m.impl("loss_accumulate_", &kltriton_cpp::loss_accumulate_);
-  m.impl("loss_scale_", &kltriton_cpp::loss_scale_);
-  m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
-  m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
-  m.impl("replay_support", &kltriton_cpp::replay_support);
-  m.impl("replay_columns", &kltriton_cpp::replay_columns);
-  m.impl("replay_forward", &kltriton_cpp::replay_forward);
-  m.impl("replay_backward", &kltriton_cpp::replay_backward);
-  m.impl("replay_scatter", &kltriton_cpp::replay_scatter);
-  m.impl("jsd_forward", &kltriton_cpp::jsd_forward);
-  m.impl("jsd_backward", &kltriton_cpp::jsd_backward);
-  m.impl("invariant_maxima", &kltriton_cpp::invariant_maxima);
-  m.impl("invariant_sums", &kltriton_cpp::invariant_sums);
-  m.impl("invariant_forward", &kltriton_cpp::invariant_forward);
 }
 
 // The ops are not differentiable themselves (the Python layer wires their backward): let the

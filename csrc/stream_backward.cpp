@@ -1,5 +1,7 @@
 // The stream family's backward op on the CPU: each row's gradient by the row kernel of row_backward.h
 // from the row's basis coefficients, rows in parallel, into one [N, V] gradient (gradient_buffer.cpp).
+#include <torch/library.h>
+
 #include "row_backward.h"
 
 namespace kltriton_cpp {
@@ -91,3 +93,7 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("stream_backward", &kltriton_cpp::stream_backward);
+}

@@ -1,6 +1,8 @@
 // The stream family's forward op on the CPU: each row's statistics by the row kernel of
 // row_forward.h, rows in parallel, written to one output tensor per statistic. One variant per request
 // (the statistics asked for), instantiated for every request the bits allow.
+#include <torch/library.h>
+
 #include "row_forward.h"
 
 namespace kltriton_cpp {
@@ -74,3 +76,7 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("stream_forward", &kltriton_cpp::stream_forward);
+}

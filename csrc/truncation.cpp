@@ -6,6 +6,8 @@
 // Replay (Truncation(support=ids), kltriton/kernels/truncation/replay.py): replay_support puts each row's ids in
 // canonical form, replay_columns gathers the logits there, replay_forward / replay_backward work on those K values,
 // replay_scatter writes their gradient into the [N, V] gradient buffer.
+#include <torch/library.h>
+
 #include "row_backward.h"
 #include "truncation.h"
 
@@ -348,3 +350,13 @@ at::Tensor replay_scatter(const at::Tensor& columns, const at::Tensor& ids, int6
 }
 
 }  // namespace kltriton_cpp
+
+TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("truncated_forward", &kltriton_cpp::truncated_forward);
+  m.impl("truncated_backward", &kltriton_cpp::truncated_backward);
+  m.impl("replay_support", &kltriton_cpp::replay_support);
+  m.impl("replay_columns", &kltriton_cpp::replay_columns);
+  m.impl("replay_forward", &kltriton_cpp::replay_forward);
+  m.impl("replay_backward", &kltriton_cpp::replay_backward);
+  m.impl("replay_scatter", &kltriton_cpp::replay_scatter);
+}

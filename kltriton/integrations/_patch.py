@@ -8,6 +8,7 @@ attribute and the tested version, and nothing is changed.
 import importlib
 import importlib.metadata
 import sys
+from types import SimpleNamespace
 from typing import Callable, List, Optional, Tuple
 
 from kltriton._install import pip_install
@@ -54,6 +55,15 @@ class Patch:
             raise AttributeError(f"{getattr(owner, '__qualname__', owner)}.{attribute} is inherited, not defined "
                                  "on it")
         self._attrs.append((owner, attribute, vars(owner)[attribute], value))
+
+    def replace(self, owner, **replacements) -> SimpleNamespace:
+        """``set(owner, name, replacement)`` for each keyword; returns the originals under the same names
+        (``owner.name`` as it is now, a staticmethod's function), which the replacements call: one list of the
+        hooked attributes of ``owner``."""
+        originals = SimpleNamespace(**{name: self.resolve(owner, name) for name in replacements})
+        for name, replacement in replacements.items():
+            self.set(owner, name, replacement)
+        return originals
 
     def commit(self) -> None:
         """Make every recorded change."""

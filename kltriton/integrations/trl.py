@@ -488,19 +488,15 @@ def _install_distillation(patch: Patch) -> None:
     from trl.models.utils import _ForwardRedirection
     from trl.trainer import distillation_trainer
 
-    gkd = patch.resolve(gkd_trainer, "GKDTrainer")
-    trl_gkd_compute_loss = patch.resolve(gkd, "compute_loss")
-    trl_jsd = patch.resolve(gkd, "generalized_jsd_loss")
-    trl_chunked = patch.resolve(distillation_trainer, "_chunked_divergence_loss")
-    distillation = patch.resolve(distillation_trainer, "DistillationTrainer")
-    trl_distillation_loss = patch.resolve(distillation, "_compute_loss")
+    # trl_gkd / trl_distillation / trl_module: TRL's own code that the replacements below call (patch.replace, at
+    # the end)
     redirect = _ForwardRedirection()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         reason = _why_trl_gkd(self, model, inputs, return_outputs)
         if reason is not None:
             _log_once(f"GKDTrainer loss: TRL's own code, because {reason}")
-            return trl_gkd_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            return trl_gkd.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
         _log_once(f"GKDTrainer loss: kltriton.token_divergence (generalized JSD, beta={self.beta}) from the hidden "
                   "states")
         student = self.accelerator.unwrap_model(model)
@@ -518,8 +514,9 @@ def _install_distillation(patch: Patch) -> None:
         if reduction not in ("batchmean", "sum", "mean") and num_items_in_batch is None:
             _log_once(f"GKDTrainer.generalized_jsd_loss: TRL's own code, because reduction={reduction!r} returns "
                       "the elementwise terms")
-            return trl_jsd(student_logits, teacher_logits, labels=labels, beta=beta, temperature=temperature,
-                           reduction=reduction, num_items_in_batch=num_items_in_batch)
+            return trl_gkd.generalized_jsd_loss(student_logits, teacher_logits, labels=labels, beta=beta,
+                                                temperature=temperature, reduction=reduction,
+                                                num_items_in_batch=num_items_in_batch)
         return _jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch)
 
     def distillation_compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
@@ -528,7 +525,7 @@ def _install_distillation(patch: Patch) -> None:
         models = (unwrapped_student, self.accelerator.unwrap_model(self.teacher_model))
         token = _distillation_models.set(models)
         try:
-            return trl_distillation_loss(self, unwrapped_student, inputs, num_items_in_batch)
+            return trl_distillation._compute_loss(self, unwrapped_student, inputs, num_items_in_batch)
         finally:
             _distillation_models.reset(token)
 
@@ -552,15 +549,16 @@ def _install_distillation(patch: Patch) -> None:
         if any(_is_sharded(w) for w in (student_lm_head_weight, teacher_lm_head_weight)):
             _log_once("DistillationTrainer loss: TRL's own chunked kernels, because the LM heads are sharded "
                       "(DTensor) and came without their models")
-            return trl_chunked(*args)
+            return trl_module._chunked_divergence_loss(*args)
         _log_once(f"DistillationTrainer loss: kltriton.token_divergence (generalized JSD, beta={beta}) from the "
                   "hidden states")
         return _distillation_loss(*args)
 
-    patch.set(gkd, "compute_loss", compute_loss)
-    patch.set(gkd, "generalized_jsd_loss", staticmethod(generalized_jsd_loss))
-    patch.set(distillation, "_compute_loss", distillation_compute_loss)
-    patch.set(distillation_trainer, "_chunked_divergence_loss", chunked_divergence_loss)
+    trl_gkd = patch.replace(patch.resolve(gkd_trainer, "GKDTrainer"), compute_loss=compute_loss,
+                            generalized_jsd_loss=staticmethod(generalized_jsd_loss))
+    trl_distillation = patch.replace(patch.resolve(distillation_trainer, "DistillationTrainer"),
+                                     _compute_loss=distillation_compute_loss)
+    trl_module = patch.replace(distillation_trainer, _chunked_divergence_loss=chunked_divergence_loss)
 
 
 # (student, teacher) unwrapped, while DistillationTrainer._compute_loss runs

@@ -260,13 +260,7 @@ def _install_v1(patch: Patch) -> None:
     from vllm.v1.sample import sampler as v1_sampler
     from vllm.v1.worker import gpu_model_runner
 
-    runner_class, sampler_class = gpu_model_runner.GPUModelRunner, v1_sampler.Sampler
-    vllm_sample_step = patch.resolve(runner_class, "_sample")
-    vllm_prompt_logprobs = patch.resolve(runner_class, "_get_prompt_logprobs_dict")
-    vllm_compute_logprobs = patch.resolve(sampler_class, "compute_logprobs")
-    vllm_sample = patch.resolve(sampler_class, "sample")
-    vllm_gather = patch.resolve(sampler_class, "gather_logprobs")
-    vllm_gather_specific = patch.resolve(sampler_class, "gather_specific_token_logprobs")
+    # vllm_runner / vllm_sampler: vLLM's own methods that the replacements below call (patch.replace, at the end)
     eps = patch.resolve(v1_sampler, "_SAMPLING_EPS")
     greedy = lambda p: p.temperature < eps  # noqa: E731  (V1: Sampler.apply_temperature, InputBatch.greedy_reqs)
 
@@ -274,25 +268,25 @@ def _install_v1(patch: Patch) -> None:
         metadata = self.input_batch.sampling_metadata
         wants = metadata.max_num_logprobs is not None or bool(metadata.logprob_token_ids)
         if logits is None or not wants:
-            return vllm_sample_step(self, logits, spec_decode_metadata, *args, **kwargs)
+            return vllm_runner._sample(self, logits, spec_decode_metadata, *args, **kwargs)
         if spec_decode_metadata is not None:
             _unreplaced("speculative decoding (the rejection sampler computes the log-probs)")
-            return vllm_sample_step(self, logits, spec_decode_metadata, *args, **kwargs)
+            return vllm_runner._sample(self, logits, spec_decode_metadata, *args, **kwargs)
         if metadata.max_num_logprobs == -1:
             _unreplaced("logprobs=-1 (the whole vocabulary)")
         params = [self.requests[req_id].sampling_params for req_id in self.input_batch.req_ids]
         if len(params) != logits.shape[0]:
             _unreplaced(f"a step with {logits.shape[0]} logit rows for {len(params)} requests")
-            return vllm_sample_step(self, logits, spec_decode_metadata, *args, **kwargs)
+            return vllm_runner._sample(self, logits, spec_decode_metadata, *args, **kwargs)
         with _scoring(_Scope("sample", params)):
-            return vllm_sample_step(self, logits, spec_decode_metadata, *args, **kwargs)
+            return vllm_runner._sample(self, logits, spec_decode_metadata, *args, **kwargs)
 
     def _get_prompt_logprobs_dict(self, *args, **kwargs):
         with _scoring(_Scope("prompt")):
-            return vllm_prompt_logprobs(self, *args, **kwargs)
+            return vllm_runner._get_prompt_logprobs_dict(self, *args, **kwargs)
 
     def compute_logprobs(logits):
-        output = vllm_compute_logprobs(logits)
+        output = vllm_sampler.compute_logprobs(logits)
         scope = _scope.get()
         if scope is not None and not scope.inside_sample:
             # A sampling step goes on to temper these fp32 logits in place: score a copy.
@@ -305,12 +299,12 @@ def _install_v1(patch: Patch) -> None:
         processed_mode = (logprobs_mode_override or self.logprobs_mode) == "processed_logprobs"
         wants = sampling_metadata.max_num_logprobs is not None or bool(sampling_metadata.logprob_token_ids)
         if scope is None or scope.kind != "sample" or not processed_mode or not wants:
-            return vllm_sample(self, logits, sampling_metadata, logprobs_mode_override, *args, **kwargs)
+            return vllm_sampler.sample(self, logits, sampling_metadata, logprobs_mode_override, *args, **kwargs)
         before_temperature = logits.clone()  # after vLLM's penalties and logit processors
         scope.inside_sample = True
         try:
-            sampled, processed = vllm_sample(self, logits, sampling_metadata, logprobs_mode_override, *args,
-                                             **kwargs)
+            sampled, processed = vllm_sampler.sample(self, logits, sampling_metadata, logprobs_mode_override, *args,
+                                                     **kwargs)
         finally:
             scope.inside_sample = False
         if processed is not None:
@@ -318,13 +312,13 @@ def _install_v1(patch: Patch) -> None:
         return sampled, processed
 
     def gather_logprobs(logprobs, num_logprobs, token_ids):
-        output = vllm_gather(logprobs, num_logprobs, token_ids)
+        output = vllm_sampler.gather_logprobs(logprobs, num_logprobs, token_ids)
         scope = _scope.get()
         source = None if scope is None else scope.source_of(logprobs)
         return output if source is None else output._replace(logprobs=_rescore(source, output.logprob_token_ids))
 
     def gather_specific_token_logprobs(self, logprobs, logprob_token_ids, sampled):
-        output = vllm_gather_specific(self, logprobs, logprob_token_ids, sampled)
+        output = vllm_sampler.gather_specific_token_logprobs(self, logprobs, logprob_token_ids, sampled)
         scope = _scope.get()
         source = None if scope is None or output is None else scope.source_of(logprobs)
         if source is None:
@@ -336,12 +330,11 @@ def _install_v1(patch: Patch) -> None:
         valid = valid.to(logprobs.device, non_blocking=True)
         return output._replace(logprobs=_rescore(source, output.logprob_token_ids, valid))
 
-    patch.set(runner_class, "_sample", _sample)
-    patch.set(runner_class, "_get_prompt_logprobs_dict", _get_prompt_logprobs_dict)
-    patch.set(sampler_class, "compute_logprobs", staticmethod(compute_logprobs))
-    patch.set(sampler_class, "sample", sample)
-    patch.set(sampler_class, "gather_logprobs", staticmethod(gather_logprobs))
-    patch.set(sampler_class, "gather_specific_token_logprobs", gather_specific_token_logprobs)
+    vllm_runner = patch.replace(gpu_model_runner.GPUModelRunner, _sample=_sample,
+                                _get_prompt_logprobs_dict=_get_prompt_logprobs_dict)
+    vllm_sampler = patch.replace(v1_sampler.Sampler, compute_logprobs=staticmethod(compute_logprobs), sample=sample,
+                                 gather_logprobs=staticmethod(gather_logprobs),
+                                 gather_specific_token_logprobs=gather_specific_token_logprobs)
 
 
 # ------------------------------------------------------------------------------------------ Model Runner V2
@@ -351,13 +344,9 @@ def _install_v2(patch: Patch) -> None:
     from vllm.v1.worker.gpu.sample import sampler as v2_sampler
     from vllm.v1.worker.gpu.sample import states as v2_states
 
-    sampler_class, states_class = v2_sampler.Sampler, v2_states.SamplingStates
+    # vllm_sampler / vllm_states: vLLM's own methods that the replacements below call (patch.replace, at the end)
     vllm_compute_token_logprobs = patch.resolve(v2_logprob, "compute_token_logprobs")
-    vllm_add_request = patch.resolve(sampler_class, "add_request")
-    vllm_call = patch.resolve(sampler_class, "__call__")
-    vllm_sample = patch.resolve(sampler_class, "sample")
-    vllm_get_logprobs_dims = patch.resolve(sampler_class, "get_logprobs_dims")
-    vllm_apply_temperature = patch.resolve(states_class, "apply_temperature")
+    vllm_get_logprobs_dims = patch.resolve(v2_sampler.Sampler, "get_logprobs_dims")
     greedy = lambda p: p.temperature == 0.0  # noqa: E731  (V2: SamplingStates.any_greedy, the temperature kernel)
 
     def compute_token_logprobs(logits, token_ids):
@@ -373,25 +362,25 @@ def _install_v2(patch: Patch) -> None:
         return _rescore(_Source(logits, logits), token_ids)
 
     def add_request(self, req_idx, sampling_params, *args, **kwargs):
-        vllm_add_request(self, req_idx, sampling_params, *args, **kwargs)
+        vllm_sampler.add_request(self, req_idx, sampling_params, *args, **kwargs)
         self.__dict__.setdefault("_kltriton_params", {})[req_idx] = sampling_params
 
     def __call__(self, logits, input_batch, *args, **kwargs):
         if (self.logprobs_mode != "processed_logprobs"
                 or vllm_get_logprobs_dims(self, input_batch.idx_mapping_np) is None):
-            return vllm_call(self, logits, input_batch, *args, **kwargs)
+            return vllm_sampler.__call__(self, logits, input_batch, *args, **kwargs)
         # one logit row per scheduled token of each request (several with speculative decoding)
         states = np.repeat(input_batch.idx_mapping_np, np.diff(input_batch.cu_num_logits_np))
         known = self.__dict__.get("_kltriton_params", {})
         if any(int(i) not in known for i in states):
             _unreplaced("requests added before the plugin was applied (processed log-probs of their logits as "
                         "vLLM processed them)")
-            return vllm_call(self, logits, input_batch, *args, **kwargs)
+            return vllm_sampler.__call__(self, logits, input_batch, *args, **kwargs)
         with _scoring(_Scope("v2", [known[int(i)] for i in states])):
-            return vllm_call(self, logits, input_batch, *args, **kwargs)
+            return vllm_sampler.__call__(self, logits, input_batch, *args, **kwargs)
 
     def sample(self, *args, **kwargs):
-        sampled, processed = vllm_sample(self, *args, **kwargs)
+        sampled, processed = vllm_sampler.sample(self, *args, **kwargs)
         scope = _scope.get()
         if scope is not None and scope.kind == "v2":
             scope.processed = processed
@@ -401,13 +390,11 @@ def _install_v2(patch: Patch) -> None:
         scope = _scope.get()
         if scope is not None and scope.kind == "v2":
             scope.pre_temperature = logits.clone()  # after vLLM's penalties, bias and logit processors
-        return vllm_apply_temperature(self, logits, *args, **kwargs)
+        return vllm_states.apply_temperature(self, logits, *args, **kwargs)
 
     patch.swap("vllm", vllm_compute_token_logprobs, compute_token_logprobs)
-    patch.set(sampler_class, "add_request", add_request)
-    patch.set(sampler_class, "__call__", __call__)
-    patch.set(sampler_class, "sample", sample)
-    patch.set(states_class, "apply_temperature", apply_temperature)
+    vllm_sampler = patch.replace(v2_sampler.Sampler, add_request=add_request, __call__=__call__, sample=sample)
+    vllm_states = patch.replace(v2_states.SamplingStates, apply_temperature=apply_temperature)
 
 
 # ------------------------------------------------------------------------------------------ apply / register

@@ -49,7 +49,7 @@ STAT_ENTROPY = tl.constexpr([name for name, _ in constants.STATISTICS].index("en
 STAT_REF_LOGP = tl.constexpr([name for name, _ in constants.STATISTICS].index("ref_logp"))
 STAT_REF_LSE = tl.constexpr([name for name, _ in constants.STATISTICS].index("ref_lse"))
 STAT_FULL_KL = tl.constexpr([name for name, _ in constants.STATISTICS].index("full_kl"))
-STAT_FORWARD_KL = tl.constexpr([name for name, _ in constants.STATISTICS].index("forward_kl"))
+NUM_STATISTICS = tl.constexpr(len(constants.STATISTICS))
 TERM = {term: tl.constexpr(i) for i, term in enumerate(constants.GRADIENT_BASIS)}
 TERM_LABEL, TERM_P = TERM["label"], TERM["p"]
 TERM_P_LOGP, TERM_P_LOGQ, TERM_Q = TERM["p_logp"], TERM["p_logq"], TERM["q"]
@@ -145,6 +145,20 @@ def temperature_of(temperature_ptr, temperature_stride, row):
     """(1 / T, log2(e) / T) in fp32 from the float64 temperature of ``row``."""
     inv = 1.0 / tl.load(temperature_ptr + row * temperature_stride)
     return inv.to(tl.float32), (inv * LOG2E).to(tl.float32)
+
+
+@triton.jit
+def program_row(target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer,
+                logits_outer_stride, logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+                ref_inner_stride):
+    """What a row kernel reads first of its program's row (grid axis 0): ``(row, target, 1 / T, log2(e) / T, x_row,
+    y_row)``, the row's label (``< 0``: not scored, its logits are not to be read), its temperature
+    (``temperature_of``) and the pointers to its policy and reference logits (``row_pointers``)."""
+    row = tl.program_id(0)
+    inv_temperature, log2e_over_t = temperature_of(temperature_ptr, temperature_stride, row)
+    x_row, y_row = row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,
+                                ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    return row, tl.load(target_ptr + row), inv_temperature, log2e_over_t, x_row, y_row
 
 
 @triton.jit
@@ -349,23 +363,14 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
 @triton.jit
 def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                 forward_kl_ptr=None):
-    """``values`` (``constants.STATISTICS`` order) to the present outputs' ``ptr + row`` (absent ones are None;
+    """``values`` to the present outputs' ``ptr + row``, both in ``constants.STATISTICS`` order (absent ones are None;
     passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function, and a custom op's outputs may
     not be views of one stacked buffer). A statistic added later takes a trailing ``..._ptr=None`` parameter, so
     kernels that never produce it need no change."""
-    tl.store(logp_ptr + row, values[STAT_LOGP])
-    if lse_ptr is not None:
-        tl.store(lse_ptr + row, values[STAT_LSE])
-    if entropy_ptr is not None:
-        tl.store(entropy_ptr + row, values[STAT_ENTROPY])
-    if ref_logp_ptr is not None:
-        tl.store(ref_logp_ptr + row, values[STAT_REF_LOGP])
-    if ref_lse_ptr is not None:
-        tl.store(ref_lse_ptr + row, values[STAT_REF_LSE])
-    if full_kl_ptr is not None:
-        tl.store(full_kl_ptr + row, values[STAT_FULL_KL])
-    if forward_kl_ptr is not None:
-        tl.store(forward_kl_ptr + row, values[STAT_FORWARD_KL])
+    pointers = (logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr, forward_kl_ptr)
+    for i in tl.static_range(NUM_STATISTICS):
+        if pointers[i] is not None:
+            tl.store(pointers[i] + row, values[i])
 
 
 @triton.jit

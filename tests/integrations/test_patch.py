@@ -53,6 +53,34 @@ def test_a_missing_target_changes_nothing_and_names_it(fake_library):
     assert integration.current is None
 
 
+def test_replace_hands_back_the_originals_and_undo_restores_them():
+    class Sampler:
+        def sample(self, x):
+            return f"vllm sample {x}"
+
+        @staticmethod
+        def gather(x):
+            return f"vllm gather {x}"
+
+    def sample(self, x):
+        return f"kltriton, then {original.sample(self, x)}"
+
+    def gather(x):
+        return f"kltriton, then {original.gather(x)}"
+
+    sample_before, gather_before = vars(Sampler)["sample"], vars(Sampler)["gather"]
+    patch = _patch.Patch("Fake")
+    original = patch.replace(Sampler, sample=sample, gather=staticmethod(gather))
+    assert Sampler().sample(1) == "vllm sample 1"  # recorded, not made before commit
+    patch.commit()
+    assert Sampler().sample(1) == "kltriton, then vllm sample 1"
+    assert Sampler().gather(2) == Sampler.gather(2) == "kltriton, then vllm gather 2"
+    patch.undo()
+    assert vars(Sampler)["sample"] is sample_before and vars(Sampler)["gather"] is gather_before
+    with pytest.raises(AttributeError, match="Sampler.missing"):
+        _patch.Patch("Fake").replace(Sampler, missing=sample)
+
+
 def test_a_missing_library_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "fakelib", None)  # import fails as for an uninstalled package
     with pytest.raises(ImportError, match=r'pip install "fakelib==1\.0"'):

@@ -7,6 +7,7 @@ values follow ``helpers.value_atol`` of the oracle logits plus the GEMM's fp32 a
 the summed magnitude of the other factor, plus the rounding to the parameter's dtype (``STORE_RTOL``).
 """
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,10 +338,8 @@ def test_large_vocab(tile):
 
 
 PEAK_CHILD = """
-import gc, sys, torch, kltriton
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+import sys, torch, kltriton
+from benchmarks.harness import peak_rss_above
 backend, mode = sys.argv[1], sys.argv[2]
 n, vocab, hidden = 2048, 32000, 256
 torch.manual_seed(0)
@@ -354,13 +353,7 @@ def call():
             return kltriton.token_logprobs(kltriton.LinearLogits(hh, ww), labels, backend=backend)
     out = kltriton.token_logprobs(kltriton.LinearLogits(hh, ww), labels, backend=backend)
     return torch.autograd.grad(out.sum(), (hh, ww))
-call()
-gc.collect()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = status("VmRSS")
-result = call()
-print(status("VmHWM") - before)
+print(peak_rss_above(call))
 """
 
 
@@ -378,8 +371,9 @@ def test_peak_memory_holds_the_tile_budget(backend_name, mode):
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", KLTRITON_CPU_GRAD_CACHE="0")
     env.pop("KLTRITON_LINEAR_TILE", None)
+    repo = Path(__file__).resolve().parents[2]  # the child imports benchmarks.harness from the checkout
     out = subprocess.run([sys.executable, "-c", PEAK_CHILD, backend_name, mode], env=env, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, cwd=repo)
     assert out.returncode == 0, out.stderr[-2000:]
     peak = int(out.stdout.strip().splitlines()[-1])
     mib = 2 ** 20

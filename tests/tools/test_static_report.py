@@ -31,6 +31,9 @@ def test_static_report_has_no_problems(tmp_path):
     assert {r["variant"] for r in loss} == {"ppo", "ppo+ref+k3+ent", "ppo+ref+full+ent", "cispo+rlogp+k3+",
                                             "sapo+rlogp+k3", "dppo_kl+ref+full"}
     families = {r["kernel"] for r in rows}
-    assert {"_truncated_forward_kernel", "_truncated_backward_kernel", "_jsd_forward_kernel",
-            "_jsd_backward_kernel", "_accumulate_kernel"} <= families
+    assert {"_truncated_forward_kernel", "_jsd_forward_kernel", "_jsd_backward_kernel",
+            "_accumulate_kernel"} <= families
+    # the truncation family's backward: the stream family's kernel with the floor
+    stream_backward = {r["variant"] for r in rows if r["kernel"] == "_stream_backward_kernel"}
+    assert {"trunc-bwd", "trunc-bwd+plogp"} <= stream_backward
     assert all(r["spill_bytes"] == 0 for r in rows)  # 128-bit loads: report["problems"] (static.problems)

@@ -62,6 +62,18 @@ def _row_params(row, target_ptr, lse_ptr, ref_lse_ptr):
 
 
 @triton.jit
+def _live_row(row, beta_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer,
+              logits_outer_stride, logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
+              ref_inner_stride):
+    """What both kernels read of a live row: ``(1 / T, beta (float64), x_row, y_row)``, the pointers to the
+    student's and the teacher's logits."""
+    inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
+    x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,
+                                     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
+    return inv_temperature, tl.load(beta_ptr), x_row, y_row
+
+
+@triton.jit
 def _jsd_forward_kernel(
     logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same
@@ -77,11 +89,9 @@ def _jsd_forward_kernel(
     row = tl.program_id(0)
     target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
     if live:
-        inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
-        beta64 = tl.load(beta_ptr)
+        inv_temperature, beta64, x_row, y_row = _live_row(
+            row, beta_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+            logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
         beta = beta64.to(tl.float32)
         one_minus_beta = (1.0 - beta64).to(tl.float32)
         kl_p = tl.zeros((BLOCK_V,), tl.float32)
@@ -121,11 +131,9 @@ def _jsd_backward_kernel(
     grad_row = grad_ptr + row.to(tl.int64) * vocab
     target, lse, ref_lse, live = _row_params(row, target_ptr, lse_ptr, ref_lse_ptr)
     if live:
-        inv_temperature, _ = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
-        beta64 = tl.load(beta_ptr)
+        inv_temperature, beta64, x_row, y_row = _live_row(
+            row, beta_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+            logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
         log_p, p, log_q, q = _log_probs(x_row, y_row, offs, in_vocab, lse, ref_lse, inv_temperature)
         p_over_m, _ = _ratios(log_p, p, log_q, q, beta64.to(tl.float32), (1.0 - beta64).to(tl.float32))
         centred = p_over_m - tl.load(kl_student_ptr + row)

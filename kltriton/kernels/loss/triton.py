@@ -253,13 +253,10 @@ def _loss_forward_kernel(
     WITH_FULL_KL: tl.constexpr = ESTIMATOR == "full"
     TERMS: tl.constexpr = (rows.BASIS_P_LOGP if ENTROPY_GRAD or WITH_FULL_KL else 0) | (rows.BASIS_P_LOGQ if WITH_FULL_KL
                                                                                        else 0)
-    row = tl.program_id(0)
-    target = tl.load(target_ptr + row)
+    row, target, inv_temperature, log2e_over_t, x_row, y_row = rows.program_row(
+        target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
         state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
         # Loaded after the loop (once per row): Triton 3.6 keeps them across it on the stack otherwise.
         x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)

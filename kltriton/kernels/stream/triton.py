@@ -24,7 +24,7 @@ def _combine_launch(split: int, request: int) -> rows.Launch:
                      dict(num_warps=1, enable_fp_fusion=True), 1)
 
 
-def _backward_launch(vocab: int) -> rows.Launch:
+def backward_launch(vocab: int) -> rows.Launch:
     block = rows.backward_block(vocab)
     return rows.Launch(dict(BLOCK_V=block), rows.options(), block, triton.cdiv(vocab, block))
 
@@ -61,10 +61,10 @@ def launches(vocab: int, elem_bytes: int):
     optional = constants.BASIS_BITS
     for terms in range(sum(optional.values()) + 1):
         name = _variant_name("bwd", [(term.replace("_", ""), terms & bit) for term, bit in optional.items()])
-        launch = _backward_launch(vocab)
+        launch = backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
         absent = [] if terms & constants.BASIS_NEEDS_REF else ["ref_ptr", "ref_lse_ptr"]
-        out.append(("_stream_backward_kernel", launch, name, absent))
+        out.append(("_stream_backward_kernel", launch, name, absent + ["floor_ptr"]))
     return out
 
 
@@ -82,14 +82,12 @@ def _stream_forward_kernel(
     CHUNK: tl.constexpr,
 ):
     """Grid ``(N, SPLIT)``: program ``(row, k)`` reduces vocab chunk ``k`` of ``row``. With one chunk it
-    stores the statistics; otherwise the chunk's state, merged by ``_stream_combine_kernel``."""
-    row = tl.program_id(0)
-    target = tl.load(target_ptr + row)
+    stores the statistics; otherwise the chunk's state, merged by ``_stream_combine_kernel``. Program ``(row, 0)`` of
+    a skipped row stores its statistics."""
+    row, target, inv_temperature, log2e_over_t, x_row, y_row = rows.program_row(
+        target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if target >= 0:  # a skipped row is never read
-        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
         if SPLIT == 1:
             x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
             state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
@@ -101,7 +99,7 @@ def _stream_forward_kernel(
             lo = part * CHUNK
             state = rows.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), log2e_over_t, WANT, SUBTILES, LANES, VEC)
             rows.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE, state)
-    elif SPLIT == 1:
+    elif tl.program_id(1) == 0:  # whatever SPLIT: the combine kernel merges the scored rows only
         rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
                        full_kl_ptr, forward_kl_ptr)
 
@@ -117,14 +115,12 @@ def _stream_combine_kernel(
     temperature_ptr, temperature_stride,
     WANT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
 ):
-    """Grid ``(N,)``: merge a row's ``SPLIT`` chunk states in chunk order and store its statistics."""
-    row = tl.program_id(0)
-    target = tl.load(target_ptr + row)
+    """Grid ``(N,)``: merge a scored row's ``SPLIT`` chunk states in chunk order and store its statistics (a skipped
+    row's are the forward kernel's)."""
+    row, target, inv_temperature, log2e_over_t, x_row, y_row = rows.program_row(
+        target_ptr, temperature_ptr, temperature_stride, logits_ptr, logits_rows_per_outer, logits_outer_stride,
+        logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
     if target >= 0:
-        inv_temperature, log2e_over_t = rows.temperature_of(temperature_ptr, temperature_stride, row)
-        x_row, y_row = rows.row_pointers(row, logits_ptr, logits_rows_per_outer, logits_outer_stride,
-                                       logits_inner_stride, ref_ptr, ref_rows_per_outer, ref_outer_stride,
-                                       ref_inner_stride)
         x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)
         part = tl.arange(0, SPLIT_P2)
         parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE
@@ -132,9 +128,6 @@ def _stream_combine_kernel(
         values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
         rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
                        forward_kl_ptr)
-    else:
-        rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr, forward_kl_ptr)
 
 
 @triton.jit
@@ -145,17 +138,21 @@ def _stream_backward_kernel(
     target_ptr,                 # [N] int64
     lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
     basis_ptr,                  # [N, len(GRADIENT_BASIS)] fp32 gradient basis (/ T), absent terms not read
+    floor_ptr,                  # [N] fp32: the policy's logits below it have no mass (a truncation), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
     TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
+    """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction. With a floor (the
+    truncation family's backward) the policy's logits below it are read as ``-inf``: no gradient there."""
     row = tl.program_id(0)
     offs, in_vocab, grad_row, target, lse, live = rows.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
                                                                         grad_ptr, vocab, BLOCK_V)
     if live:
         inv_temperature, x = rows.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
                                                logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
+        if floor_ptr is not None:
+            x = rows.below_floor_absent(x, tl.load(floor_ptr + row))
         y = x
         ref_lse = 0.0
         if (rows.BASIS_P_LOGQ | rows.BASIS_Q) & TERMS:
@@ -190,17 +187,19 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     return stats
 
 
-def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:
+def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis, floor=None) -> torch.Tensor:
+    """The family's backward; ``floor`` (``[N]`` fp32, the truncation family's): the policy's logits below it have no
+    mass."""
     n, vocab = num_rows(logits), logits.shape[-1]
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
     coefficients, terms = rows.stacked_basis(basis)
     with_ref = basis.reads_ref()
-    launch = _backward_launch(vocab)
+    launch = backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
         *rows.view_args(logits), *rows.view_args(ref_logits if with_ref else None), grad, target,
-        lse, ref_lse if with_ref else None, coefficients, vocab, temperature, 1 if temperature.dim() else 0,
+        lse, ref_lse if with_ref else None, coefficients, floor, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad

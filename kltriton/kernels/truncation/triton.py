@@ -12,11 +12,10 @@ the row with the logits below the floor read as ``-inf`` (``triton_rows.stream_c
    ``ceil(32 / log2(G + 1))`` passes per step, fewer when the bracket starts narrower;
 3. the statistics pass.
 
-Every pass reads the row; after the first, from L2 (a row is 64 KB in bf16 at ``V = 32000``). Backward, grid
-``(N, cdiv(V, BLOCK_V))``: the stream backward's element math on the gradient basis (``grad_block``) with the
-logits below the floor read as ``-inf`` (zero gradient there). Launch settings depend on ``V`` and the dtype
-only (batch invariance). See ``kltriton.kernels.truncation`` for the contract and ``python -m benchmarks
-static`` for what each variant compiles to.
+Every pass reads the row; after the first, from L2 (a row is 64 KB in bf16 at ``V = 32000``). Backward: the
+stream family's backward kernel with the floor (the logits below it read as ``-inf``: zero gradient there).
+Launch settings depend on ``V`` and the dtype only (batch invariance). See ``kltriton.kernels.truncation`` for the
+contract and ``python -m benchmarks static`` for what each variant compiles to.
 """
 import torch
 import triton
@@ -25,6 +24,7 @@ import triton.language as tl
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as rows
 from kltriton.kernels.row_views import num_rows
+from kltriton.kernels.stream import triton as stream_triton
 # Replay (``kltriton.kernels.truncation.replay``) is O(N K) work on the K gathered logits of each row: the reference's
 # PyTorch code (a few launches on CUDA), and for the logits gradient a memset and a K-column scatter.
 from kltriton.kernels.truncation.reference import (replay_backward, replay_columns, replay_forward,  # noqa: F401
@@ -47,11 +47,6 @@ def _forward_launch(vocab: int, elem_bytes: int, request: int, given: bool) -> r
                           G=THRESHOLDS), rows.options(), tile.elements_per_iteration if given else block)
 
 
-def _backward_launch(vocab: int, terms: int) -> rows.Launch:
-    block = rows.backward_block(vocab)
-    return rows.Launch(dict(TERMS=terms, BLOCK_V=block), rows.options(), block, triton.cdiv(vocab, block))
-
-
 def launches(vocab: int, elem_bytes: int):
     """(kernel name, Launch, variant name, absent arguments) of every kernel ``forward`` / ``backward`` launch
     for this vocab and logits element size (for ``benchmarks/static.py``)."""
@@ -61,10 +56,11 @@ def launches(vocab: int, elem_bytes: int):
         name = "trunc-fwd" + ("+floor" if given else "") + ("+ent" if ent else "")
         absent = ([] if ent else ["entropy_ptr"]) + (["top_k_ptr", "top_p_ptr", "min_p_ptr"] if given else [])
         out.append(("_truncated_forward_kernel", _forward_launch(vocab, elem_bytes, request, given), name, absent))
-    for logp_term in (False, True):
-        launch = _backward_launch(vocab, constants.P_LOGP if logp_term else 0)
-        out.append(("_truncated_backward_kernel", launch, "trunc-bwd" + ("+plogp" if logp_term else ""),
-                    [] if logp_term else ["c_p_logp_ptr"]))
+    for logp_term in (False, True):  # the stream family's backward kernel with the floor
+        launch = stream_triton.backward_launch(vocab)
+        launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=constants.P_LOGP if logp_term else 0))
+        out.append(("_stream_backward_kernel", launch, "trunc-bwd" + ("+plogp" if logp_term else ""),
+                    ["ref_ptr", "ref_lse_ptr"]))
     return out
 
 
@@ -245,37 +241,6 @@ def _truncated_forward_kernel(
         rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, None, None, None)
 
 
-@triton.jit
-def _truncated_backward_kernel(
-    logits_ptr, logits_rows_per_outer, logits_outer_stride, logits_inner_stride,  # [A, B, V] view
-    grad_ptr,                   # [N, V] contiguous output, logits dtype
-    target_ptr,                 # [N] int64
-    floor_ptr,                  # [N] fp32: the logits below it have no mass
-    lse_ptr,                    # [N] fp32 log-sum-exp over the kept set
-    c_label_ptr, c_p_ptr, c_p_logp_ptr,  # [N] fp32 gradient basis (/ T); c_p_logp_ptr None if absent
-    vocab,
-    temperature_ptr, temperature_stride,
-    TERMS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Grid ``(N, cdiv(V, BLOCK_V))``: one vocab block of one row per program, no reduction."""
-    row = tl.program_id(0)
-    # A NaN floor gives a NaN lse: zeros, as any row without a finite lse.
-    offs, in_vocab, grad_row, target, lse, live = rows.gradient_row_block(row, tl.program_id(1), target_ptr, lse_ptr,
-                                                                        grad_ptr, vocab, BLOCK_V)
-    if live:
-        inv_temperature, x = rows.live_row_block(row, offs, in_vocab, temperature_ptr, temperature_stride, logits_ptr,
-                                               logits_rows_per_outer, logits_outer_stride, logits_inner_stride)
-        x = rows.below_floor_absent(x, tl.load(floor_ptr + row))
-        c_p_logp = 0.0
-        if rows.BASIS_P_LOGP & TERMS:
-            c_p_logp = tl.load(c_p_logp_ptr + row)
-        basis = (tl.load(c_label_ptr + row), tl.load(c_p_ptr + row), c_p_logp, 0.0)
-        grad = rows.grad_block(x, x, offs, target, lse, 0.0, basis, inv_temperature, TERMS)
-        tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
-    else:
-        tl.store(grad_row + offs, tl.zeros((BLOCK_V,), grad_ptr.dtype.element_ty), mask=in_vocab)
-
-
 def forward(logits, target, temperature, top_k, top_p, min_p, floor, request):
     n, vocab = num_rows(logits), logits.shape[-1]
     stats = statistics.empty_stats(n, request, lambda size: torch.empty(size, dtype=torch.float32,
@@ -293,12 +258,5 @@ def forward(logits, target, temperature, top_k, top_p, min_p, floor, request):
 
 
 def backward(logits, target, temperature, floor, lse, basis):
-    n, vocab = num_rows(logits), logits.shape[-1]
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    if n == 0:
-        return grad
-    launch = _backward_launch(vocab, constants.P_LOGP if basis.p_logp is not None else 0)
-    _truncated_backward_kernel[(n, launch.grid_split)](
-        *rows.view_args(logits), grad, target, floor, lse, basis.label, basis.p, basis.p_logp, vocab, temperature,
-        1 if temperature.dim() else 0, **launch.constexprs, **launch.options)
-    return grad
+    """The stream family's backward kernel with the floor: the logits below it have no mass, no gradient."""
+    return stream_triton.backward(logits, None, target, temperature, lse, None, basis, floor=floor)
