@@ -400,14 +400,12 @@ def _measure(row, factory, inputs, mode, device, grid, rounds, first_round) -> l
         return times
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
-    except RuntimeError as err:
+    except Exception as err:  # e.g. torch.compile failing: record it and go on
         if mode == "backward" and "modified by an inplace operation" in str(err):
             row["note"] = ("not applicable: the fused loss writes its gradient in the forward and scales it in place "
                            "in the backward, so autograd refuses a second backward of one graph")
         else:
-            row["note"] = f"failed: RuntimeError: {str(err).splitlines()[0][:200] if str(err) else ''}"
-    except Exception as err:  # e.g. torch.compile failing: record it and go on
-        row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
     finally:
         call = None
         inputs.logits.grad = None

@@ -69,8 +69,8 @@ class Op:
 
     The op is defined on a ``torch.library.Library`` with its own autograd kernel rather than through
     ``torch.library.custom_op``: custom_op's autograd path re-reads the schema once per argument on every call
-    (quadratic in the argument count: 40-150 us a call for these schemas), which is the whole host cost of a call at
-    small shapes."""
+    (quadratic in the argument count: 40-150 us a call for these schemas), most of a call's host cost at small
+    shapes."""
 
     def __init__(self, name, inputs, outputs, launch, fake):
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
