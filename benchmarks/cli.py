@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks run | compare | ab | plot | static | gpu`` (see ``--help`` of each)."""
+"""Command line: ``python -m benchmarks run | compare | ab | plot | static | gpu | host`` (see ``--help`` of each)."""
 import argparse
 import dataclasses
 import datetime
@@ -53,6 +53,7 @@ def _parser():
     plot.add_argument("results", type=Path)
     sub.add_parser("static", help="compile every Triton kernel for sm_90, report registers, spills, SASS per element")
     sub.add_parser("gpu", help="one-command GPU validation: tests, benchmark grid, static report, summary")
+    sub.add_parser("host", help="ops dispatched, host reads and host time of every public call at a tiny shape")
     return parser
 
 
@@ -98,7 +99,7 @@ def headline(rows) -> str:
     return "\n".join(lines)
 
 
-SUBCOMMANDS = {"static": "benchmarks.static", "gpu": "benchmarks.gpu"}  # own argument parsers
+SUBCOMMANDS = {"static": "benchmarks.static", "gpu": "benchmarks.gpu", "host": "benchmarks.host"}  # own argument parsers
 
 
 def main(argv=None) -> int:
