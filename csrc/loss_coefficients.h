@@ -34,6 +34,27 @@ inline KlEstimator estimator_of(const std::string& name) {
   return kNoKl;
 }
 
+// A per-token KL estimator's value on dk = logp - ref_logp, clamped to [-kl_clamp, kl_clamp], and its derivative
+// w.r.t. logp (0 where the clamp holds the value; the straight-through names, verl's "k3+": the value of the
+// estimator, the derivative of k2, dk). Not for kFull (the full KL is a statistic).
+struct KlEstimate {
+  double value, slope;
+};
+
+inline KlEstimate kl_estimate(KlEstimator estimator, bool straight_through, double dk, double kl_clamp) {
+  KlEstimate k{0.0, 0.0};
+  switch (estimator) {
+    case kK1: k = {dk, 1.0}; break;
+    case kAbs: k = {std::abs(dk), dk > 0 ? 1.0 : (dk < 0 ? -1.0 : 0.0)}; break;
+    case kK2: k = {0.5 * dk * dk, dk}; break;
+    case kK3: k = {std::expm1(-dk) + dk, -std::expm1(-dk)}; break;
+    default: TORCH_CHECK(false, "kltriton_cpp: no per-token value for KL estimator ", static_cast<int>(estimator));
+  }
+  if (std::abs(k.value) > kl_clamp) k = {k.value > 0 ? kl_clamp : -kl_clamp, 0.0};
+  if (straight_through) k.slope = dk;
+  return k;
+}
+
 // The call's loss type, estimator and hyperparameters (the float64 vector, slots of constants.py).
 struct LossParams {
   LossType loss_type;
@@ -119,6 +140,48 @@ inline double pg_slope(const LossParams& P, double lp, double old, double d, dou
   return 0.0;
 }
 
+// The policy-gradient term of one row and verl's flags (kltriton/kernels/loss/terms.py FORMULAS, the fused ones): the
+// per-token loss before its weight, the ratio reported, pg_clipfrac's and pg_clipfrac_lower's flags, and the
+// log-ratio whose negative ppo_kl averages. d = fp32(lp - old).
+struct PgTerms {
+  double pg, ratio;
+  bool clipped, clipped_lower;
+  double log_ratio;
+};
+
+inline PgTerms pg_terms(const LossParams& P, double lp, double old, double d, double A) {
+  const double log_ratio = std::min(std::max(d, -P.log_ratio_clamp), P.log_ratio_clamp);
+  const double ratio = std::exp(log_ratio);
+  const double clip = std::min(std::max(ratio, P.ratio_low), P.ratio_high);
+  switch (P.loss_type) {
+    case kPpo: {  // max(-A min(r, delta), -A clip(r)), at most -A dual_clip for A < 0
+      const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * clip, clip1 = std::max(pg1, pg2);
+      const double pg3 = -A * P.dual_clip;
+      return {A < 0 ? std::min(clip1, pg3) : clip1, ratio, pg2 > pg1, clip1 > pg3 && A < 0, log_ratio};
+    }
+    case kCispo:  // -sg(clip(r)) A logp
+      return {-clip * A * lp, ratio, ratio != clip, false, log_ratio};
+    case kClippedRatio:  // -clip(r) A
+      return {-clip * A, ratio, ratio != clip, false, log_ratio};
+    case kSapo: {  // -A sigmoid(tau (r - 1)) 4 / tau
+      const double tau = A > 0 ? P.tau_pos : P.tau_neg;
+      return {-(4.0 / tau) / (1.0 + std::exp(-tau * (ratio - 1.0))) * A, ratio, false, false, log_ratio};
+    }
+    case kGpg:  // -logp A
+      return {-lp * A, ratio, false, false, log_ratio};
+    case kDppoTv:
+    case kDppoKl: {  // -A sg(min(r, clip_ratio_c)) logp inside the trust region
+      const bool valid = dppo_valid(P, lp, old, A);
+      return {valid ? -A * std::min(ratio, P.clip_ratio_c) * lp : 0.0, ratio, !valid, ratio > P.clip_ratio_c && valid,
+              log_ratio};
+    }
+    case kDro:  // -(logp A - beta / 2 (logp - old)^2); its log-ratio is not clamped
+      return {-(lp * A - 0.5 * P.dro_beta * d * d), ratio, false, false, d};
+  }
+  TORCH_CHECK(false, "kltriton_cpp: pg_terms has no formula for loss type ", static_cast<int>(P.loss_type));
+  return {};
+}
+
 // d loss_n / d (logp, full_kl) of one row: the policy-gradient term and the KL term (times the ratio with
 // kl_ratio: slope kl' r + kl dr). full_kl: the row's full KL (the "full" estimator).
 struct RowSlopes {
@@ -141,22 +204,8 @@ inline RowSlopes row_g_logp(const LossParams& P, const RowIn& in, int64_t n, dou
     if (P.kl_ratio) g.logp += in.wkl[n] * value * d_ratio;
     return g;
   }
-  const double dk = lp - rlp;
-  double value = 0.0, slope = 0.0;
-  switch (P.estimator) {
-    case kK1: value = dk; slope = 1.0; break;
-    case kAbs: value = std::abs(dk); slope = dk > 0 ? 1.0 : (dk < 0 ? -1.0 : 0.0); break;
-    case kK2: value = 0.5 * dk * dk; slope = dk; break;
-    case kK3: value = std::expm1(-dk) + dk; slope = -std::expm1(-dk); break;
-    default: TORCH_CHECK(false, "kltriton_cpp: row_g_logp has no derivative for KL estimator ",
-                         static_cast<int>(P.estimator));
-  }
-  if (std::abs(value) > P.kl_clamp) {
-    slope = 0.0;
-    value = value > 0 ? P.kl_clamp : -P.kl_clamp;
-  }
-  if (P.straight_through) slope = dk;  // verl "k3+": the value of k3, the gradient of k2
-  g.logp += in.wkl[n] * (slope * weight + (P.kl_ratio ? value * d_ratio : 0.0));
+  const KlEstimate k = kl_estimate(P.estimator, P.straight_through, lp - rlp, P.kl_clamp);
+  g.logp += in.wkl[n] * (k.slope * weight + (P.kl_ratio ? k.value * d_ratio : 0.0));
   return g;
 }
 

@@ -23,10 +23,32 @@ std::string build_info() {
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY(kltriton_cpp, m) {
+  m.def(
+      "loss_inputs(Tensor target, int num_seqs, int seq_len, Tensor? cu_seqlens, int aggregation, Tensor? num_tokens, "
+      "Tensor? num_seqs_agg, Tensor? horizon, Tensor advantages, bool per_sequence, float kl_coef, "
+      "float entropy_coef) -> Tensor");
+  m.def(
+      "loss_terms(Tensor logp, Tensor? ref_logp, bool ref_given, Tensor? full_kl, Tensor? entropy, Tensor target, "
+      "Tensor? old_logp, Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor w_agg, "
+      "Tensor hyperparameters, str loss_type, str estimator, bool straight_through) -> Tensor[]");
+  m.def(
+      "kl_reward(Tensor logp, Tensor? full_kl, Tensor ref_logp, bool ref_given, Tensor target, int num_seqs, "
+      "int seq_len, Tensor? cu_seqlens, str estimator, bool straight_through, float kl_clamp, Tensor? coef, "
+      "Tensor? rewards, Tensor? scores, float score_clip) -> Tensor[]");
+  m.def(
+      "kl_reward_backward(Tensor logp, Tensor? full_kl, Tensor ref_logp, bool ref_given, Tensor target, "
+      "int num_seqs, int seq_len, Tensor? cu_seqlens, str estimator, bool straight_through, float kl_clamp, "
+      "Tensor? coef, Tensor? count, Tensor? g_kl, Tensor? g_reward, Tensor? g_kl_per_seq) -> Tensor[]");
+  m.def(
+      "layout_target(Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, Tensor? temperature, int ignore_index, "
+      "int vocab, bool shift, Tensor(a!)? flags) -> Tensor");
   m.def("stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, int wanted) -> Tensor[]");
   m.def(
       "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
       "Tensor? ref_lse, Tensor?[] basis) -> Tensor");
+  m.def(
+      "stream_backward_upstream(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
+      "Tensor? ref_lse, Tensor?[] upstream) -> Tensor");
   m.def(
       "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "
@@ -73,8 +95,14 @@ TORCH_LIBRARY(kltriton_cpp, m) {
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
 // autograd key fall through so outputs are plain tensors even when logits require grad.
 TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
+  m.impl("loss_inputs", torch::CppFunction::makeFallthrough());
+  m.impl("loss_terms", torch::CppFunction::makeFallthrough());
+  m.impl("kl_reward", torch::CppFunction::makeFallthrough());
+  m.impl("kl_reward_backward", torch::CppFunction::makeFallthrough());
+  m.impl("layout_target", torch::CppFunction::makeFallthrough());
   m.impl("stream_forward", torch::CppFunction::makeFallthrough());
   m.impl("stream_backward", torch::CppFunction::makeFallthrough());
+  m.impl("stream_backward_upstream", torch::CppFunction::makeFallthrough());
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
   m.impl("loss_accumulate_", torch::CppFunction::makeFallthrough());

@@ -244,12 +244,16 @@ inline Combined combine_lanes(const float* m, const float* mi, const float* s, c
   }
   c.dead = !any;
   if (c.bad || c.dead) return c;
+  // The lanes' factors exp(-d kZUnit) in double, a vector of lanes at a time (one exponential per lane and row was
+  // most of a short row's cost), then summed in lane order.
+  using VecD = at::vec::Vectorized<double>;
+  alignas(64) double d[kW], a[kW];
+  for (int64_t l = 0; l < kW; ++l) d[l] = m[l] == -kInf ? 0.0 : (c.mi - static_cast<double>(mi[l])) * scale;
+  for (int64_t l = 0; l < kW; l += VecD::size()) (VecD::loadu(d + l) * VecD(-kZUnit)).exp().store(a + l);
   for (int64_t l = 0; l < kW; ++l) {
     if (m[l] == -kInf) continue;
-    const double d = (c.mi - static_cast<double>(mi[l])) * scale;
-    const double a = std::exp(-d * kZUnit);
-    c.s += a * s[l];
-    if (t != nullptr) c.t += a * (static_cast<double>(t[l]) - d * s[l]);
+    c.s += a[l] * s[l];
+    if (t != nullptr) c.t += a[l] * (static_cast<double>(t[l]) - d[l] * s[l]);
   }
   return c;
 }

@@ -43,22 +43,10 @@ const float* f32_rows(const at::Tensor& t, int64_t N, const char* name, at::Tens
   return keep.data_ptr<float>();
 }
 
-}  // namespace
-
-at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
-                           const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                           const std::optional<at::Tensor>& ref_lse,
-                           const c10::List<std::optional<at::Tensor>>& basis) {
-  int64_t N, V;  // plain variables, not a structured binding: the parallel lambdas capture them
-  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
-  TORCH_CHECK(static_cast<int>(basis.size()) == kNumBasis && basis.get(KLTRITON_BASIS_LABEL).has_value() &&
-                  basis.get(KLTRITON_BASIS_P).has_value(),
-              "kltriton_cpp: the basis needs its ", kNumBasis, " terms, label and p given");
-  int mode = 0;  // the optional terms present, one bit each after label and p
-  for (int i = 2; i < kNumBasis; ++i) mode |= basis.get(i).has_value() ? 1 << (i - 2) : 0;
-  Inputs in{};
-  std::vector<at::Tensor> keep;
-  rows_of<kNumBasis>(basis, N, in.basis, keep);
+// The gradient from the basis terms `in.basis` (mode: the optional terms present, one bit each after label and p).
+at::Tensor backward_on_basis(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                             const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
+                             const std::optional<at::Tensor>& ref_lse, Inputs& in, int mode, int64_t N, int64_t V) {
   const bool with_ref = (mode & KLTRITON_BASIS_NEEDS_REF) != 0;
   at::Tensor keep_lse, keep_rlse;
   in.tgt = target.data_ptr<int64_t>();
@@ -92,8 +80,98 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
   return grad;
 }
 
+// The upstream gradients of the differentiable statistics and the statistics' values their terms read, in the
+// order of stream_backward_upstream's list (kltriton/kernels/stream/__init__.py Upstream).
+enum UpstreamSlot : int { kGLogp, kGEntropy, kGFullKl, kGForwardKl, kEntropyValue, kFullKlValue, kNumUpstream };
+
+// The basis of upstream gradients, per row in double and divided by T (kltriton/kernels/statistics.py
+// gradient_basis): label = g_logp; p = g_logp + g_entropy H + g_full_kl KL - g_forward_kl (a zero gradient adds
+// nothing even where its statistic is infinite); p_logp = g_entropy - g_full_kl; p_logq = g_full_kl; q = g_forward_kl.
+void basis_of_upstream(const float* const* up, const Temperatures& temp, int64_t N, std::vector<float>* terms,
+                       bool* present) {
+  present[KLTRITON_BASIS_LABEL] = present[KLTRITON_BASIS_P] = true;
+  present[KLTRITON_BASIS_P_LOGP] = up[kGEntropy] != nullptr || up[kGFullKl] != nullptr;
+  present[KLTRITON_BASIS_P_LOGQ] = up[kGFullKl] != nullptr;
+  present[KLTRITON_BASIS_Q] = up[kGForwardKl] != nullptr;
+  for (int i = 0; i < kNumBasis; ++i) terms[i].assign(present[i] ? N : 0, 0.f);
+  const auto times = [](double g, double value) { return g == 0.0 ? 0.0 : g * value; };
+  for (int64_t n = 0; n < N; ++n) {
+    float hi;
+    double lo;
+    temp.inverse(n, hi, lo);
+    const double inv = static_cast<double>(hi) + lo;
+    const double gl = up[kGLogp] ? up[kGLogp][n] : 0.0;
+    double p = gl, p_logp = 0.0;
+    if (up[kGEntropy]) {
+      const double g = up[kGEntropy][n];
+      p += times(g, up[kEntropyValue][n]);
+      p_logp += g;
+    }
+    if (up[kGFullKl]) {
+      const double g = up[kGFullKl][n];
+      p += times(g, up[kFullKlValue][n]);
+      p_logp -= g;
+      terms[KLTRITON_BASIS_P_LOGQ][n] = static_cast<float>(g * inv);
+    }
+    if (up[kGForwardKl]) {
+      const double g = up[kGForwardKl][n];
+      p -= g;
+      terms[KLTRITON_BASIS_Q][n] = static_cast<float>(g * inv);
+    }
+    terms[KLTRITON_BASIS_LABEL][n] = static_cast<float>(gl * inv);
+    terms[KLTRITON_BASIS_P][n] = static_cast<float>(p * inv);
+    if (present[KLTRITON_BASIS_P_LOGP]) terms[KLTRITON_BASIS_P_LOGP][n] = static_cast<float>(p_logp * inv);
+  }
+}
+
+}  // namespace
+
+at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                           const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
+                           const std::optional<at::Tensor>& ref_lse,
+                           const c10::List<std::optional<at::Tensor>>& basis) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  TORCH_CHECK(static_cast<int>(basis.size()) == kNumBasis && basis.get(KLTRITON_BASIS_LABEL).has_value() &&
+                  basis.get(KLTRITON_BASIS_P).has_value(),
+              "kltriton_cpp: the basis needs its ", kNumBasis, " terms, label and p given");
+  int mode = 0;  // the optional terms present, one bit each after label and p
+  for (int i = 2; i < kNumBasis; ++i) mode |= basis.get(i).has_value() ? 1 << (i - 2) : 0;
+  Inputs in{};
+  std::vector<at::Tensor> keep;
+  rows_of<kNumBasis>(basis, N, in.basis, keep);
+  return backward_on_basis(logits3d, ref3d, target, temperature, lse, ref_lse, in, mode, N, V);
+}
+
+// The same from the upstream gradients of the statistics (the basis computed here, per row: no [N] op outside).
+at::Tensor stream_backward_upstream(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                    const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
+                                    const std::optional<at::Tensor>& ref_lse,
+                                    const c10::List<std::optional<at::Tensor>>& upstream) {
+  int64_t N, V;
+  std::tie(N, V) = check_stream_args(logits3d, target, temperature);
+  const float* up[kNumUpstream];
+  std::vector<at::Tensor> keep;
+  rows_of<kNumUpstream>(upstream, N, up, keep);
+  TORCH_CHECK((up[kGEntropy] == nullptr || up[kEntropyValue] != nullptr) &&
+                  (up[kGFullKl] == nullptr || up[kFullKlValue] != nullptr),
+              "kltriton_cpp: an entropy or full-KL gradient needs the statistic's value");
+  const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
+  std::vector<float> terms[kNumBasis];
+  bool present[kNumBasis];
+  basis_of_upstream(up, temp, N, terms, present);
+  Inputs in{};
+  int mode = 0;
+  for (int i = 0; i < kNumBasis; ++i) {
+    in.basis[i] = present[i] ? terms[i].data() : nullptr;
+    if (i >= 2 && present[i]) mode |= 1 << (i - 2);
+  }
+  return backward_on_basis(logits3d, ref3d, target, temperature, lse, ref_lse, in, mode, N, V);
+}
+
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("stream_backward", &kltriton_cpp::stream_backward);
+  m.impl("stream_backward_upstream", &kltriton_cpp::stream_backward_upstream);
 }

@@ -15,6 +15,7 @@ from kltriton.functional.token_logprobs import token_logprobs
 from kltriton.heads import lm_head_logits, score_with_lm_head
 from kltriton.invariant import set_invariant
 from kltriton.linear_logits import LinearLogits
+from kltriton.ops.layout import check_inputs
 from kltriton.topk import TopK
 from kltriton.truncation import Truncation
 
@@ -33,6 +34,7 @@ def empty_cache() -> int:
 __all__ = [
     "KLOutput",
     "KLReward",
+    "check_inputs",
     "PolicyLossOutput",
     "LinearLogits",
     "controllers",

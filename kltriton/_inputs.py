@@ -4,44 +4,48 @@ Everything here is ``O(N)`` work on the label side. It turns ``labels`` / ``mask
 ``ignore_index`` / ``cu_seqlens`` / ``shift_labels`` into one flat ``target`` (see
 ``kltriton.kernels``) so the kernels only ever see ``[N, V]`` rows and a label per row.
 """
+import collections
+import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from kltriton.kernels import OUT_OF_RANGE, SKIP
+from kltriton import dispatch
+from kltriton.kernels.layout import reference as layout_reference
+from kltriton.ops import layout as layout_ops
+from kltriton.ops.layout import flag_vector, raise_flagged
 
-_VALIDATE = True
+_VALIDATE = True  # True, False or "sync"
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+VALIDATION_MODES = (True, False, "sync")
 
 
-def set_validation(enabled: bool) -> bool:
-    """Turn the host-side value checks on (default) or off.
+def set_validation(enabled) -> object:
+    """How the values of the inputs are checked (labels inside ``[0, V)`` or ``ignore_index``, ``cu_seqlens``
+    well formed, a per-position temperature ``> 0`` and finite); returns the previous setting.
 
-    The checks that need the data on the host (labels inside ``[0, V)``, ``cu_seqlens``
-    well formed) synchronize with the device; switch them off in hot loops. Kernels never
-    read out of bounds either way: an out-of-range label then gives NaN at its position.
-
-    Returns the previous setting, so a caller can restore it.
+    - ``True`` (default), never a synchronization: on CPU the values are on the host and a bad one is a
+      ``ValueError`` at once; on a device the kernels record it in the device's flag vector, and
+      ``kltriton.check_inputs()`` raises it later (the bad positions are NaN meanwhile).
+    - ``"sync"``: as ``True``, and on a device every call reads the flags (a synchronization per call: for
+      debugging).
+    - ``False``: no checks. Either way the kernels never read out of bounds: a bad label gives NaN at its position.
     """
     global _VALIDATE
-    previous, _VALIDATE = _VALIDATE, bool(enabled)
+    if enabled not in VALIDATION_MODES or isinstance(enabled, int) and not isinstance(enabled, bool):
+        raise ValueError(f"set_validation takes True, False or 'sync', got {enabled!r}")
+    previous, _VALIDATE = _VALIDATE, enabled
     return previous
 
 
-def host_checks() -> bool:
-    """Whether to run the checks that read values on the host: on unless switched off, and
-    never while ``torch.compile`` traces (a data-dependent branch would break the graph)."""
-    return _VALIDATE and not torch.compiler.is_compiling()
-
-
-class Layout(NamedTuple):
-    target: torch.Tensor        # [N] int64: label, SKIP (not scored) or OUT_OF_RANGE
-    shape: torch.Size           # S, the leading shape of the logits (shape of every output)
-    num_seqs: int               # sequences: rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
-    seq_index: Optional[torch.Tensor]  # [N] int64 sequence of each position (when asked for)
-    position: Optional[torch.Tensor] = None  # [N] int64 place of each position along its sequence's axis (T of
-    #                                          [B, T], or the packed stream), global under a sequence split (when asked)
+def host_checks(device=None) -> bool:
+    """Whether to run the checks that read values on the host: on CPU tensors (``device`` None or a CPU device)
+    unless validation is off, on a device only with ``set_validation("sync")``; never while ``torch.compile``
+    traces (a data-dependent branch would break the graph)."""
+    if _VALIDATE is False or torch.compiler.is_compiling():
+        return False
+    return _VALIDATE == "sync" or device is None or torch.device(device).type == "cpu"
 
 
 def check_logits(logits, name="logits"):
@@ -81,15 +85,50 @@ def check_float(name: str, value, *, above=None, at_least=None, allow_none: bool
     return value
 
 
+_SCALARS = collections.OrderedDict()  # (device, value.hex()) -> 0-dim float64 tensor, most recent last
+SCALAR_CACHE_SIZE = 256
+
+
 def runtime_scalar(value, device) -> torch.Tensor:
     """A python float as a 0-dim float64 tensor on ``device``, the form the custom ops take.
 
     A float argument of a custom op is baked into the graph by ``torch.compile`` (a new value
-    recompiles); a tensor is data. Written as ``ones * value`` (kernels with the value as an
-    argument: no host-to-device copy) because Dynamo turns a traced float into a graph input
-    only where it meets tensor arithmetic, and would specialize ``torch.full((), value)``.
+    recompiles); a tensor is data. While ``torch.compile`` traces, it is written as ``ones * value``
+    (kernels with the value as an argument: no host-to-device copy) because Dynamo turns a traced float
+    into a graph input only where it meets tensor arithmetic, and would specialize ``torch.full((), value)``.
+    In eager calls the tensor of each value is made once per device and kept (the ``SCALAR_CACHE_SIZE`` most
+    recent values): on a GPU every small tensor made per call is a kernel launch. Nobody writes to it.
     """
-    return torch.ones((), dtype=torch.float64, device=device) * value
+    if torch.compiler.is_compiling():
+        return torch.ones((), dtype=torch.float64, device=device) * value
+    key = (device, float(value).hex())  # hex: -0.0 and 0.0 are two values
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        scalar = torch.full((), value, dtype=torch.float64, device=device)
+        if not _capturing(scalar.device):  # made inside a CUDA graph capture: the graph's memory, not kept
+            _SCALARS[key] = scalar
+            if len(_SCALARS) > SCALAR_CACHE_SIZE:
+                _SCALARS.popitem(last=False)
+    return scalar
+
+
+def constant_vector(values, device) -> torch.Tensor:
+    """Python floats as one float64 vector on ``device``, made once per device and set of values and kept with the
+    scalars of ``runtime_scalar`` (eager calls only: while ``torch.compile`` traces, build it from
+    ``runtime_scalar``s). Nobody writes to it."""
+    key = (device, tuple(float(v).hex() for v in values))
+    vector = _SCALARS.get(key)
+    if vector is None:
+        vector = torch.tensor(values, dtype=torch.float64).to(device)
+        if not _capturing(vector.device):
+            _SCALARS[key] = vector
+            if len(_SCALARS) > SCALAR_CACHE_SIZE:
+                _SCALARS.popitem(last=False)
+    return vector
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_temperature(temperature, device, shape=None) -> torch.Tensor:
@@ -98,8 +137,8 @@ def check_temperature(temperature, device, shape=None) -> torch.Tensor:
     Accepts a python float, a 0-dim floating tensor, or (when ``shape``, the logits' leading shape
     ``S``, is given) a floating tensor of shape ``S`` (e.g. verl's per-sample temperature repeated
     over its tokens). A tensor is data, so a new value never recompiles under ``torch.compile``.
-    Positive and finite, else ``ValueError``: checked for a float in eager calls, and for a tensor
-    only with the host checks on (it reads the values: a sync).
+    Positive and finite, else ``ValueError``: checked for a float in eager calls, and for a tensor by
+    the layout op with the other input values (``set_validation``).
     """
     if isinstance(temperature, torch.Tensor):
         if not temperature.dtype.is_floating_point:
@@ -109,10 +148,7 @@ def check_temperature(temperature, device, shape=None) -> torch.Tensor:
             raise ValueError(f"temperature must be {expected}, got shape {tuple(temperature.shape)}")
         if temperature.device != torch.device(device):
             raise ValueError(f"temperature is on {temperature.device} but logits are on {device}")
-        if host_checks() and temperature.numel() and not bool(
-                ((temperature > 0) & torch.isfinite(temperature)).all()):
-            raise ValueError("temperature must be > 0 and finite everywhere")
-        t = temperature.detach().to(torch.float64)
+        t = temperature.detach().to(torch.float64)  # its values are checked by the layout op
         return t if t.dim() == 0 else t.reshape(-1).contiguous()
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a python float or a floating tensor, got {type(temperature).__name__}")
@@ -153,27 +189,13 @@ def _check_cu_seqlens(cu_seqlens, shape, device, total=None):
         raise ValueError(f"cu_seqlens must be 1-D [num_seqs + 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits are on {device}")
-    if host_checks():
-        n = shape[0] if total is None else int(total)
+    if total is not None and host_checks(device):  # under a split; else the layout op checks the values
         first, last = cu_seqlens[0].item(), cu_seqlens[-1].item()
-        if first != 0 or last != n:
-            where = "" if total is None else " (every rank's packed tokens: the offsets are global under a sequence_group)"
-            raise ValueError(f"cu_seqlens must start at 0 and end at N={n}{where}, got {first} ... {last}")
+        if first != 0 or last != int(total):
+            raise ValueError(f"cu_seqlens must start at 0 and end at N={int(total)} (every rank's packed tokens: the "
+                             f"offsets are global under a sequence_group), got {first} ... {last}")
         if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
             raise ValueError("cu_seqlens must be non-decreasing")
-
-
-def _shift_left(tensor, fill, sequence_ends, following=None):
-    """``tensor[t + 1]`` at position ``t`` along the last dim; ``fill`` where no next token exists. ``following``:
-    the values after the last position (the next rank's first ones, ``tensor.shape[:-1]``), else ``fill``.
-    ``sequence_ends``: the positions that end a sequence (an index or a bool mask), ``fill`` there."""
-    shifted = torch.full_like(tensor, fill)
-    shifted[..., :-1] = tensor[..., 1:]
-    if following is not None:
-        shifted[..., -1] = following
-    if sequence_ends is not None:
-        shifted[sequence_ends] = fill
-    return shifted
 
 
 def _from_next_slice(labels, mask, split, ignore_index):
@@ -184,7 +206,7 @@ def _from_next_slice(labels, mask, split, ignore_index):
     rows = labels.shape[:-1]
     width = labels.shape[-1]
     first = labels[..., 0] if width else torch.zeros(rows, dtype=labels.dtype, device=labels.device)
-    parts = [first.reshape(-1)]
+    parts = [first.reshape(-1).long()]
     if mask is not None:
         parts.append((mask[..., 0] if width else torch.zeros(rows, dtype=torch.bool, device=mask.device))
                      .reshape(-1).long())
@@ -197,7 +219,7 @@ def _from_next_slice(labels, mask, split, ignore_index):
 
 def _split_sequence_ends(cu_seqlens, n, split):
     """``[n]`` bool: this rank's positions that end a packed segment, from the global ``cu_seqlens`` (an empty
-    segment marks the one before it, as ``_last_positions``)."""
+    segment marks the one before it)."""
     ends = torch.remainder(cu_seqlens[1:].long() - 1, split.total) - split.start
     inside = (ends >= 0) & (ends < n)
     dump = torch.full_like(ends, n)
@@ -205,26 +227,58 @@ def _split_sequence_ends(cu_seqlens, n, split):
                                                                              True)[:n]
 
 
-def _last_positions(cu_seqlens, n):
-    """Flat index of the last position of every packed segment.
-
-    An empty segment starting at ``k`` yields ``k - 1``, which is always the last position of
-    the segment before it (``-1`` wraps to ``N - 1``, the last position of all), so the result
-    is right without filtering empty segments (which would need a host sync).
-    """
-    return torch.remainder(cu_seqlens[1:].long() - 1, n)
+def _rows2d(tensor):
+    """A tensor of the logits' leading shape as ``[R, C]`` rows of sequences (its last dim; ``[1, N]`` for flat
+    positions, ``[1, 1]`` for a 0-dim one), a view where the strides allow."""
+    if tensor.dim() <= 1:
+        return tensor.reshape(1, -1)
+    return tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
 
 
-def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels,
-                 with_seq_index=False, spans: str = "", split=None) -> Layout:
-    """Validate the label-side arguments against the logits' leading ``shape`` (on ``device``) and build the flat
-    ``target``. Labels must lie in ``[0, vocab)``: the global vocabulary (``spans``: how the ranks' shards cover
-    it, for the error message).
+class Layout:
+    """The label side of a call, normalized: the per-row ``target`` and what the sequence-level code needs, the
+    positions' sequences and places made only when asked for (a few ``[N]`` ops)."""
+
+    def __init__(self, target, shape, num_seqs, cu_seqlens=None, split=None):
+        self.target = target          # [N] int64: label, SKIP (not scored) or OUT_OF_RANGE
+        self.shape = shape            # S, the leading shape of the logits (shape of every output)
+        self.num_seqs = num_seqs      # rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
+        self.cu_seqlens = cu_seqlens  # the packed offsets (global under a split), or None
+        self.split = split            # this rank's parallel.SequenceSplit, or None
+
+    @functools.cached_property
+    def position(self) -> torch.Tensor:
+        """``[N]`` int64: each position's place along its sequence's axis (``T`` of ``[B, T]``, or the packed
+        stream), global under a sequence split."""
+        n, device = self.target.numel(), self.target.device
+        start = 0 if self.split is None else self.split.start
+        flat = torch.arange(n, device=device)
+        return start + (flat % max(self.shape[-1], 1) if len(self.shape) >= 2 else flat)
+
+    @functools.cached_property
+    def seq_index(self) -> torch.Tensor:
+        """``[N]`` int64: each position's sequence."""
+        n, device = self.target.numel(), self.target.device
+        if len(self.shape) >= 2:
+            return torch.arange(n, device=device) // max(self.shape[-1], 1)
+        if self.cu_seqlens is not None:
+            return torch.searchsorted(self.cu_seqlens[1:].long().contiguous(), self.position, right=True)
+        return torch.zeros(n, dtype=torch.long, device=device)
+
+
+def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels, temperature=None,
+                 spans: str = "", split=None, backend=None) -> Layout:
+    """Check the label-side arguments against the logits' leading ``shape`` (on ``device``) and build the flat
+    ``target`` with the ``layout`` op (one kernel; its value checks as ``set_validation`` says). Labels must lie in
+    ``[0, vocab)``: the global vocabulary (``spans``: how the ranks' shards cover it, for the error message).
+    ``temperature``: the kernels' float64 temperature when the caller gave a tensor (its values are checked with the
+    other values), else None.
+    ``backend``: the user's choice (``kltriton.dispatch`` resolves it for the ``layout`` family).
 
     ``split``: this rank's ``parallel.SequenceSplit`` (a sequence group): ``shape`` is this rank's slice of the
     sequence dimension (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``); the shift
     takes the last position's label and mask from the next rank's slice (one all-gather, every rank calls it), and
-    sequences and positions are the global ones."""
+    sequences and positions are the global ones. That route is the reference backend's, with host checks."""
     shape = torch.Size(shape)
     if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == len(shape) >= 1
             and labels.shape[:-1] == shape[:-1] and labels.shape[-1] == shape[-1] + 1):
@@ -234,51 +288,30 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     _check_same_leading("labels", labels, shape, device, integer=True)
     if mask is not None:
         _check_same_leading("mask", mask, shape, device, boolean=True)
-        mask = mask if mask.dtype == torch.bool else mask != 0
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, shape, device, None if split is None else split.total)
-    n = labels.numel()
     if shift_labels and labels.dim() == 0:
         raise ValueError("shift_labels=True needs labels with a time dimension")
-
-    labels = labels.long()
-    if shift_labels:
-        following = (None, None) if split is None else _from_next_slice(labels, mask, split, ignore_index)
-        if n:
-            if cu_seqlens is None:
-                ends = None
-            else:
-                ends = _last_positions(cu_seqlens, n) if split is None else _split_sequence_ends(cu_seqlens, n, split)
-            labels = _shift_left(labels, ignore_index, ends, following[0])
-            if mask is not None:
-                mask = _shift_left(mask, False, ends, following[1])
-    scored = labels != ignore_index
-    if mask is not None:
-        scored = scored & mask
-    in_range = (labels >= 0) & (labels < vocab)
-    if host_checks() and n and bool((scored & ~in_range).any()):
-        bad = labels[scored & ~in_range][0].item()
-        where = f", the vocabulary the ranks' shards cover ({spans})" if spans else ""
-        raise ValueError(f"labels must lie in [0, V={vocab}){where} or equal ignore_index={ignore_index}; found {bad}")
-    target = torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
-
-    seq_index = position = None
-    start = 0 if split is None else split.start
-    if with_seq_index:  # the place of each position along the sequence axis: T of [B, T], or the flat stream
-        flat = torch.arange(n, device=device)
-        position = start + (flat % max(shape[-1], 1) if labels.dim() >= 2 else flat)
-    if labels.dim() >= 2:
-        num_seqs = n // shape[-1] if shape[-1] else shape[:-1].numel()
-        if with_seq_index:
-            seq_index = torch.arange(n, device=device) // max(shape[-1], 1)
-    elif cu_seqlens is not None:
-        num_seqs = cu_seqlens.numel() - 1
-        if with_seq_index:
-            seq_index = torch.searchsorted(cu_seqlens[1:].long().contiguous(), position, right=True)
+    if len(shape) >= 2:
+        num_seqs = shape.numel() // shape[-1] if shape[-1] else shape[:-1].numel()
     else:
-        num_seqs = 1
-        if with_seq_index:
-            seq_index = torch.zeros(n, dtype=torch.long, device=device)
-    return Layout(target.contiguous(), shape, num_seqs, seq_index, position)
+        num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    check = _VALIDATE is not False and not torch.compiler.is_compiling()
+    if split is None:
+        name = dispatch.resolve(backend, "layout", device.type, False)
+        target = layout_ops.target(_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens,
+                                   temperature, ignore_index, vocab, bool(shift_labels), check, name)
+    else:
+        following, ends = (None, None), None
+        if shift_labels:
+            following = _from_next_slice(labels, mask, split, ignore_index)
+            if cu_seqlens is not None and labels.numel():
+                ends = _split_sequence_ends(cu_seqlens, labels.numel(), split)
+        target = layout_reference.target(labels, mask, None, temperature, ignore_index, vocab, bool(shift_labels),
+                                  flag_vector(device) if check else None, following, ends)
+    if check and host_checks(device):
+        raise_flagged(device, {"vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
+                               "split": split is not None})
+    return Layout(target, shape, num_seqs, cu_seqlens, split)

@@ -23,7 +23,9 @@ from kltriton._install import pip_install
 
 # Kernel families and what they compute (the contracts live in kltriton/kernels/<family>/).
 FAMILIES = {
+    "layout": "labels, mask, shift and packed segments into the per-row target; the inputs' value checks",
     "stream": "statistics streamed over rows of logits",
+    "epilogue": "the [N] arithmetic after the statistics: the KL estimator, reward shaping, sequence means",
     "loss": "policy loss with its logits gradient produced in the forward",
     "linear": "the stream statistics of logits given as hidden @ weight.T (GEMM tiles)",
     "truncation": "statistics of the top-k / top-p / min-p truncated distribution of each row",

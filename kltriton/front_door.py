@@ -43,7 +43,7 @@ class Call(NamedTuple):
     truncation: Optional[Truncation]       # the policy's truncated distribution, or None
     shard: Optional[parallel.VocabShard]   # this rank's vocab shard, or None
     backend: Optional[str]                 # the user's choice; kltriton.route resolves it per family
-    tile_elements: int                     # working tile of a projected side
+    tile_elements: int                     # working tile of a projected side (0 without one)
     split: Optional[parallel.SequenceSplit] = None  # this rank's slice of the sequences (a sequence group), or None
 
     @property
@@ -169,10 +169,10 @@ def _split(axis, sequence_group, leading, device) -> Optional[parallel.SequenceS
 
 def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=("logits", "ref"), temperature=1.0,
           ignore_index=-100, mask=None, cu_seqlens=None, shift_labels=False, backend=None, process_group=None,
-          vocab_start=None, truncation=None, with_seq_index=False, sequence_group=None) -> Call:
+          vocab_start=None, truncation=None, sequence_group=None) -> Call:
     """The ``Call`` of a public function's inputs (see the module docstring). ``names``: how the call names its
     policy and reference in error messages; ``ref_forms``: the reference's accepted forms (``"logits"``,
-    ``"logprobs"``, ``"topk"``); ``with_seq_index``: the layout maps each position to its sequence."""
+    ``"logprobs"``, ``"topk"``)."""
     policy_name, ref_name = names
     policy, axis, sequence_axis, shape, tile = _side(logits, policy_name)
     device = policy.x.device
@@ -187,13 +187,15 @@ def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=(
     leading = policy.x.shape[:-1]
     shard = _shard(axis, process_group, vocab_start, policy, leading.numel())
     split = _split(sequence_axis, sequence_group, leading, device)
-    temperature = check_temperature(local_rows(temperature, "temperature"), device, leading)
+    given = local_rows(temperature, "temperature")
+    temperature = check_temperature(given, device, leading)
     truncation = check_truncation(truncation)
     vocab = shard.vocab if shard is not None else shape[-1]
     layout = build_layout(leading, vocab, device, local_rows(labels, "labels"), ignore_index=ignore_index,
                           mask=None if mask is None else local_rows(mask, "mask"),
                           cu_seqlens=None if cu_seqlens is None else local_rows(cu_seqlens, "cu_seqlens"),
-                          shift_labels=shift_labels, with_seq_index=with_seq_index or truncation is not None,
-                          spans=shard.spans if shard is not None else "", split=split)
-    return Call(policy, ref_side, ref_logprobs, topk, layout, temperature, truncation, shard, backend,
-                tile or default_tile_elements(device.type), split)
+                          shift_labels=shift_labels, temperature=temperature if isinstance(given, torch.Tensor) else None,
+                          spans=shard.spans if shard is not None else "", split=split, backend=backend)
+    projected = policy.weight is not None or (ref_side is not None and ref_side.weight is not None)
+    tile = tile or (default_tile_elements(device.type) if projected or truncation is not None else 0)
+    return Call(policy, ref_side, ref_logprobs, topk, layout, temperature, truncation, shard, backend, tile, split)

@@ -43,11 +43,12 @@ from typing import Optional
 import torch
 
 from kltriton import dispatch, invariant, parallel
+from kltriton._inputs import runtime_scalar
 from kltriton.front_door import Call
 from kltriton.kernels import OUT_OF_RANGE, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.divergence import KINDS, composed
-from kltriton.kernels.loss import terms
+from kltriton.kernels.loss import LossTerms, terms
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.truncation import linear as truncation_linear
 from kltriton.kernels.truncation import replay
@@ -126,14 +127,16 @@ def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
 
 def fused_loss(call: Call, inputs, hyperparameters, loss_type, estimator: str, entropy_grad: bool, with_entropy: bool = True,
                entropy_quantile: Optional[float] = None):
-    """``(loss, StreamStats, threshold)`` of the ``loss`` family, the gradient written in the forward (only what
-    requires grad gets one). ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile, else NaN)."""
-    quantile = None if entropy_quantile is None else torch.ones((), dtype=torch.float64,
-                                                                device=call.device) * entropy_quantile
+    """``(loss, StreamStats, threshold, LossTerms)`` of the ``loss`` family, the gradient written in the forward (only
+    what requires grad gets one); ``LossTerms``: the per-token KL and ratio and the metrics of the family's ``terms``.
+    ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile, else NaN)."""
+    quantile = None if entropy_quantile is None else runtime_scalar(entropy_quantile, call.device)
     name = backend(call, "loss" if call.policy.weight is None else "linear")
     out = loss_ops.loss(call.policy, call.ref, call.layout.target, call.temperature, inputs, hyperparameters, loss_type, estimator,
                         entropy_grad, _want(call), with_entropy, quantile, call.tile_elements, name)
-    return out[0], StreamStats(*out[1:1 + len(table.NAMES)]), out[1 + len(table.NAMES)]
+    stats_end = 1 + len(table.NAMES)
+    kl, ratio, metrics = out[stats_end + 4:]
+    return out[0], StreamStats(*out[1:stats_end]), out[stats_end], LossTerms(out[0], kl, ratio, metrics)
 
 
 def truncated_statistics(call: Call, request: int) -> StreamStats:

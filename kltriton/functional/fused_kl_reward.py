@@ -1,9 +1,10 @@
 """``fused_kl_reward``: KL-shaped per-token rewards, the function RLHF trainers call.
 
-The KL comes from the same single pass as ``token_kl``; the reward shaping and the
-per-sequence mean are a handful of vectorized ``[N]`` ops after it (no Python loop over
-sequences, no host sync, no second pass over the logits), differentiated by autograd.
+The KL comes from the same single pass as ``token_kl``; the estimator, the reward shaping and the
+per-sequence means are one ``[N]`` kernel after it (the ``epilogue`` family: no Python loop over
+sequences, no host sync, no second pass over the logits), with its own backward.
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -12,7 +13,8 @@ from kltriton import estimators
 from kltriton._inputs import check_float, runtime_scalar
 from kltriton.front_door import enter, local_rows
 from kltriton.functional.token_kl import kl_of_call
-from kltriton.kernels import SKIP
+from kltriton.kernels.epilogue import Shaping
+from kltriton.kernels.epilogue.reference import shape_rewards
 from kltriton.kernels.loss.weights import Sequences
 
 
@@ -22,28 +24,6 @@ class KLReward(NamedTuple):
     logprobs: torch.Tensor      # S fp32
     ref_logprobs: torch.Tensor  # S fp32
     kl_per_seq: torch.Tensor    # [num_seqs] fp32
-
-
-def shape_rewards(kl, target, sequences: Sequences, coef, rewards, scores, score_clip):
-    """``(reward [N], kl_per_seq [num_seqs])`` from the flat per-token ``kl``; ``sequences`` (with positions) says
-    which sequence each position is in and which ranks hold the rest of them (one all-reduce for the means, one for
-    the last scored positions)."""
-    scored = target != SKIP  # OUT_OF_RANGE positions count: their NaN must show in the mean
-    total, counts = sequences.sum(torch.stack([kl, scored.to(kl.dtype)]), replicated=True).unbind()
-    kl_per_seq = total / counts.clamp(min=1)
-    # kl is 0 at unscored positions, so a given per-token reward passes through there unchanged
-    # (torchrl KLComputation, verl apply_kl_penalty); without one the reward is 0 there.
-    reward = -coef.to(kl.dtype) * kl
-    if rewards is not None:
-        reward = rewards.reshape(-1).to(kl.dtype) + reward
-    if scores is not None:
-        bonus = scores.reshape(-1).to(kl.dtype)
-        if score_clip is not None:
-            bonus = bonus.clamp(-score_clip, score_clip)
-        # the last scored position of each sequence (on whichever rank holds it) gets the score
-        last = sequences.last(scored)
-        reward = reward + torch.where(last, bonus[sequences.seq_index], torch.zeros_like(reward))
-    return reward, kl_per_seq
 
 
 def _check_coef(coef, device):
@@ -140,7 +120,7 @@ def fused_kl_reward(
     """
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True, sequence_group=sequence_group)
+                 vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
     kl_clamp = estimators.check_kl_clamp(kl_clamp)
     layout = call.layout
@@ -148,10 +128,16 @@ def fused_kl_reward(
     rewards = _check_rewards(None if rewards is None else local_rows(rewards, "rewards"), layout.shape, call.device)
     scores, score_clip = _check_scores(None if scores is None else local_rows(scores, "scores"), layout.num_seqs,
                                        call.device, score_clip)
-    kl, logp, ref_logp = kl_of_call(call, estimator, kl_clamp)
-    if call.truncation is not None:
-        kl = torch.where(logp == float("-inf"), torch.zeros_like(kl), kl)
-    sequences = Sequences(layout.seq_index, layout.num_seqs, group=call.sequence_group, position=layout.position)
-    reward, kl_per_seq = shape_rewards(kl, layout.target, sequences, coef, rewards, scores, score_clip)
+    shaping = Shaping(coef, None if rewards is None else rewards.reshape(-1),
+                      None if scores is None else scores.reshape(-1))
+    whole = call.truncation is None and call.sequence_group is None  # the epilogue op shapes the rewards itself
+    out, logp, ref_logp = kl_of_call(call, estimator, kl_clamp, shaping if whole else None, score_clip)
+    kl, reward, kl_per_seq = out.kl, out.reward, out.kl_per_seq
+    if not whole:  # a truncation drops the KL outside the kept set first; a sequence group sums over its ranks
+        if call.truncation is not None:
+            kl = torch.where(logp == float("-inf"), torch.zeros_like(kl), kl)
+        sequences = Sequences(layout.seq_index, layout.num_seqs, group=call.sequence_group, position=layout.position)
+        reward, kl_per_seq, _ = shape_rewards(kl, layout.target, sequences, coef, shaping.rewards, shaping.scores,
+                                              math.inf if score_clip is None else score_clip)
     shape = layout.shape
     return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)

@@ -18,9 +18,11 @@ import torch
 from kltriton import estimators, route
 from kltriton._inputs import check_float, runtime_scalar
 from kltriton.front_door import Call, check_group, enter, local_rows
-from kltriton.kernels import SKIP, accumulation_dtype, statistics
+from kltriton.functional.token_kl import rows_of
+from kltriton.kernels import SKIP, accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import LossInputs, terms, weights
 from kltriton.kernels.loss.weights import AGGREGATIONS, IS_MODES, Sequences
+from kltriton.ops import loss as loss_ops
 
 IS_LEVELS = ("token", "sequence")
 
@@ -99,12 +101,11 @@ def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, c
         raise ValueError(f"token_mask_entropy_quantile must be in [0, 1], got {quantile}")
     if not compute_entropy and (entropy_coef != 0.0 or quantile is not None):
         raise ValueError("compute_entropy=False leaves no entropy for entropy_coef or token_mask_entropy_quantile")
-    scalar = lambda value: None if value is None else runtime_scalar(value, call.device)  # noqa: E731
-    hyperparameters = terms.hyperparameters(call.device, ratio_low=scalar(1.0 - clip_low), ratio_high=scalar(1.0 + clip_high),
-                               dual_clip=scalar(settings.dual_clip), log_ratio_clamp=scalar(settings.log_ratio_clamp),
-                               kl_clamp=scalar(kl_clamp), kl_ratio=scalar(float(bool(bias_correction))),
-                               **{name: scalar(value) for name, value in settings.parameters.items()
-                                  if isinstance(value, float)})
+    hyperparameters = terms.hyperparameters(call.device, ratio_low=1.0 - clip_low, ratio_high=1.0 + clip_high,
+                                            dual_clip=settings.dual_clip, log_ratio_clamp=settings.log_ratio_clamp,
+                                            kl_clamp=kl_clamp, kl_ratio=float(bool(bias_correction)),
+                                            **{name: value for name, value in settings.parameters.items()
+                                               if isinstance(value, float)})
     return _Loss(spec.formula, level, settings, hyperparameters, estimator, kl_coef, entropy_coef, bool(compute_entropy), quantile,
                  spec.all_sequences)
 
@@ -132,13 +133,13 @@ def _sampling(loss: _Loss, old, rollout, is_mode, is_cap, is_min, off_policy) ->
     return loss, _Sampling(old, rollout, is_mode, is_cap, is_min, off_policy)
 
 
-def _per_position(name, tensor, call: Call, acc, per_sequence: bool = False):
-    """``[N]`` in ``acc`` from a floating tensor of the leading shape ``S`` (a DTensor: its local rows); with
-    ``per_sequence``, also ``[num_seqs]`` or ``[B, 1]`` for ``S = [B, T]`` (TRL's sequence-level shape). None stays
-    None."""
+def _checked(name, tensor, call: Call, per_sequence: bool = False):
+    """``(values, per_sequence)`` of a floating tensor of the leading shape ``S`` (a DTensor: its local rows), detached
+    and flat: ``[N]``, or with ``per_sequence`` also one value per sequence, ``[num_seqs]`` or ``[B, 1]`` for ``S = [B,
+    T]`` (TRL's sequence-level shape) as ``[num_seqs]``. None stays ``(None, False)``. No copy, no dtype change."""
     tensor = local_rows(tensor, name)
     if tensor is None:
-        return None
+        return None, False
     shape, layout = call.layout.shape, call.layout
     expected = f"S = {tuple(shape)}" + (f" or [num_seqs] = [{layout.num_seqs}]" if per_sequence else "")
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
@@ -146,12 +147,20 @@ def _per_position(name, tensor, call: Call, acc, per_sequence: bool = False):
     if tensor.device != call.device:
         raise ValueError(f"{name} is on {tensor.device} but logits are on {call.device}")
     if tuple(tensor.shape) == tuple(shape):
-        return tensor.detach().reshape(-1).to(acc)
+        return tensor.detach().reshape(-1), False
     if per_sequence and tensor.dim() == 1 and tensor.shape[0] == layout.num_seqs:
-        return tensor.detach().to(acc)[layout.seq_index]
+        return tensor.detach(), True
     if per_sequence and len(shape) == 2 and tuple(tensor.shape) == (shape[0], 1):
-        return tensor.detach().expand(shape).reshape(-1).to(acc)
+        return tensor.detach().reshape(-1), True
     raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
+
+
+def _per_position(name, tensor, call: Call, acc, per_sequence: bool = False):
+    """``[N]`` in ``acc`` from ``_checked``'s values, a per-sequence value repeated over its positions."""
+    values, of_sequences = _checked(name, tensor, call, per_sequence)
+    if values is None:
+        return None
+    return (values[call.layout.seq_index] if of_sequences else values).to(acc)
 
 
 def _denominator(name, value, device):
@@ -166,17 +175,31 @@ def _denominator(name, value, device):
     return runtime_scalar(check_float(name, value, above=0.0), device)
 
 
-def _sequences(call: Call, loss: _Loss, cu_seqlens, batch_num_tokens, global_batch_size) -> Sequences:
+class _Denominators(NamedTuple):
+    """The aggregations' given denominators (0-dim float64, None: counted) and seq-mean-token-sum-norm's horizon."""
+    num_tokens: Optional[torch.Tensor]
+    num_seqs_agg: Optional[torch.Tensor]
+    horizon: Optional[torch.Tensor]
+
+
+def _denominators(call: Call, loss: _Loss, modes, cu_seqlens, batch_num_tokens, global_batch_size) -> _Denominators:
+    """``modes``: the aggregation modes of the call's terms (the default horizon only for the one that reads it)."""
     layout, device = call.layout, call.device
     num_seqs_agg = _denominator("global_batch_size", global_batch_size, device)
     if num_seqs_agg is None and loss.all_sequences:  # TRL's .mean() over the sequences, empty ones included
         num_seqs_agg = runtime_scalar(max(layout.num_seqs, 1), device)
     horizon = check_float("horizon", loss.settings.horizon, above=0.0, allow_none=True)
-    horizon = runtime_scalar(horizon, device) if horizon is not None else weights.default_horizon(
-        layout.shape, cu_seqlens, device, call.split)
-    return Sequences(layout.seq_index, layout.num_seqs, horizon,
-                     _denominator("batch_num_tokens", batch_num_tokens, device), num_seqs_agg,
-                     call.sequence_group, layout.position)
+    if horizon is not None:
+        horizon = runtime_scalar(horizon, device)
+    elif "seq-mean-token-sum-norm" in modes:
+        horizon = weights.default_horizon(layout.shape, cu_seqlens, device, call.split)
+    return _Denominators(_denominator("batch_num_tokens", batch_num_tokens, device), num_seqs_agg, horizon)
+
+
+def _sequences(call: Call, denominators: _Denominators) -> Sequences:
+    layout = call.layout
+    return Sequences(layout.seq_index, layout.num_seqs, denominators.horizon, denominators.num_tokens,
+                     denominators.num_seqs_agg, call.sequence_group, layout.position)
 
 
 # --- the two routes -----------------------------------------------------------------------------
@@ -246,7 +269,7 @@ def _fused(call: Call, loss: _Loss, sampling: _Sampling, rows: _Rows, aggregatio
                                                                                                  call.device).to(acc)
     w_kl = agg_w * runtime_scalar(loss.kl_coef, call.device).to(acc)
     inputs = LossInputs(rows.old, rows.adv, agg_pg * pg_weight, w_kl, w_ent, rows.ref_logp)
-    value, stats, threshold = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
+    value, stats, threshold, _ = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
                                                loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
                                                with_entropy=loss.compute_entropy, entropy_quantile=loss.quantile)
     keep = None if loss.quantile is None else rows.scored & (stats.entropy >= threshold)
@@ -311,6 +334,36 @@ def _rows(call: Call, loss: _Loss, sampling: _Sampling, advantages, rollout_is_w
 def _sequences_of(call: Call) -> Sequences:
     """The rows' sequences alone (geo_mean's per-sequence mean needs no denominators)."""
     return Sequences(call.layout.seq_index, call.layout.num_seqs, group=call.sequence_group)
+
+
+def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _Denominators) -> "PolicyLossOutput":
+    """The fused route of the common call (token-level ratio, one aggregation for every term, no rollout importance
+    sampling, entropy mask or sequence group) as the loss family's kernels: the rows' inputs (one kernel), the loss
+    with its gradient (one), its per-token terms and metrics (one): no ``[N]`` ops around them."""
+    layout = call.layout
+    adv, per_sequence = _checked("advantages", advantages, call, per_sequence=True)
+    if adv is None:
+        raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
+    old, _ = _checked("old_logprobs", old_logprobs, call)
+    name = route.backend(call, "loss")
+    prepared = loss_ops.row_inputs(layout.target, rows_of(call), loss.settings.aggregation, *denominators, adv,
+                                   per_sequence, loss.kl_coef, loss.entropy_coef, name)
+    adv_rows, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
+    inputs = LossInputs(old, adv_rows, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
+    value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
+                                            loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
+                                            with_entropy=loss.compute_entropy)
+    shape = layout.shape
+    zeros = lambda: torch.zeros(shape, dtype=torch.float32, device=call.device)  # noqa: E731
+    if call.ref is not None:
+        ref_logp = stats.ref_logp.view(shape)
+    elif call.ref_logprobs is not None:  # like every per-token output: 0 where not scored
+        ref_logp = torch.where(layout.target != SKIP, call.ref_logprobs.float(), 0.0).view(shape)
+    else:
+        ref_logp = zeros()
+    entropy = stats.entropy.view(shape) if loss.compute_entropy else zeros()
+    return PolicyLossOutput(value, stats.logp.detach().view(shape), ref_logp, out.kl.view(shape), entropy,
+                            out.ratio.view(shape), dict(zip(constants.LOSS_METRICS, out.metrics.unbind())))
 
 
 # --- the output ---------------------------------------------------------------------------------
@@ -515,7 +568,7 @@ def policy_loss(
     """
     call = enter(logits, labels, ref=ref, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
-                 vocab_start=vocab_start, truncation=truncation, with_seq_index=True, sequence_group=sequence_group)
+                 vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     loss = _loss(call, loss_type, loss_parameters, dict(aggregation=aggregation, dual_clip=dual_clip,
                                                         log_ratio_clamp=log_ratio_clamp, horizon=horizon),
                  importance_sampling_level, (clip_low, clip_high),
@@ -535,8 +588,13 @@ def policy_loss(
     loss, sampling = _sampling(loss, old_logprobs, rollout_logprobs, is_mode, is_cap, is_min,
                                off_policy_mask_threshold)
     acc = accumulation_dtype(call.dtype)
+    denominators = _denominators(call, loss, set(aggregations[:3]), cu_seqlens, batch_num_tokens, global_batch_size)
+    if (sampling.rollout is None and sampling.off_policy is None and loss.quantile is None and loss.level == "token"
+            and call.sequence_group is None and rollout_is_weights is None and pg_aggregation is None
+            and entropy_aggregation is None and route.loss_route(call, loss.formula, False) == "fused"):
+        return _one_pass(call, loss, sampling.old, advantages, denominators)
     sampling = sampling._replace(rollout=_per_position("rollout_logprobs", sampling.rollout, call, acc))
-    sequences = _sequences(call, loss, cu_seqlens, batch_num_tokens, global_batch_size)
+    sequences = _sequences(call, denominators)
     rows = _rows(call, loss, sampling, advantages, rollout_is_weights, acc)
     whole_sequences = (loss.level == "sequence" or (rows.old is None and sampling.rollout is not None)
                        or sampling.off_policy is not None or (loss.quantile is not None and loss.entropy_coef != 0.0)

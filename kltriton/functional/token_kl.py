@@ -2,8 +2,9 @@
 
 With reference logits, one kernel reads each row of both logits once and yields both
 log-probs (and, for ``"full"``, the exact KL over the vocab); with reference log-probs,
-only the policy row is read. The estimator is ``[N]`` work on the kernel's results.
+only the policy row is read. The estimator is one ``[N]`` kernel after it (the ``epilogue`` family).
 """
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -11,6 +12,8 @@ import torch
 from kltriton import estimators, route
 from kltriton.front_door import Call, enter
 from kltriton.kernels import statistics
+from kltriton.kernels.epilogue import KlReward, KlValues, Rows
+from kltriton.ops import epilogue as epilogue_ops
 
 
 class KLOutput(NamedTuple):
@@ -19,11 +22,19 @@ class KLOutput(NamedTuple):
     ref_logprobs: torch.Tensor  # S fp32
 
 
-def kl_of_call(call: Call, estimator: estimators.Estimator, kl_clamp):
-    """``(kl, logp, ref_logp)`` as flat ``[N]`` tensors; differentiable w.r.t. the policy (the kernel's statistics,
-    then the estimator in PyTorch). With a truncation the policy's log-probs are of its truncated distribution and
-    the reference's come from their own pass; where the label is outside the policy's kept set
-    (``logp = -inf``) the KL is the estimator's limit: ``-inf`` for k1, ``+inf`` for the others."""
+def rows_of(call: Call) -> Rows:
+    """The call's sequences as the epilogue kernels walk them: rows of the last leading dim, or packed segments."""
+    shape = call.layout.shape
+    seq_len = shape[-1] if len(shape) >= 2 else shape.numel()
+    return Rows(call.layout.num_seqs, seq_len, call.layout.cu_seqlens)
+
+
+def kl_of_call(call: Call, estimator: estimators.Estimator, kl_clamp, shaping=None, score_clip=None):
+    """``(KlReward, logp, ref_logp)`` as flat ``[N]`` tensors, differentiable w.r.t. the policy: the kernel's
+    statistics, then the ``epilogue`` op (the estimator, and with ``shaping`` the rewards and sequence means). With a
+    truncation the policy's log-probs are of its truncated distribution and the reference's come from their own pass;
+    where the label is outside the policy's kept set (``logp = -inf``) the KL is the estimator's limit: ``-inf`` for k1,
+    ``+inf`` for the others."""
     target = call.layout.target
     if call.truncation is not None and estimator.needs_ref_logits:
         raise ValueError("estimator='full' (the KL over the whole vocabulary) is not defined with a truncation; "
@@ -33,16 +44,21 @@ def kl_of_call(call: Call, estimator: estimators.Estimator, kl_clamp):
         ref_logp = stats.ref_logp
     else:
         stats = route.statistics(call, statistics.request())
-        if call.ref is not None:
-            ref_logp = route.reference_statistics(call, statistics.request()).logp
-        else:
-            ref_flat = call.ref_logprobs.to(stats.logp.dtype)
-            ref_logp = torch.where(target >= 0, ref_flat, torch.zeros_like(ref_flat))
-    kl = estimator.value(stats.logp, ref_logp, stats.full_kl if estimator.needs_ref_logits else None, kl_clamp)
+        ref_logp = route.reference_statistics(call, statistics.request()).logp if call.ref is not None else None
+    given = ref_logp is None
+    out = epilogue_ops.kl_reward(KlValues(stats.logp, stats.full_kl if estimator.needs_ref_logits else None),
+                                 call.ref_logprobs if given else ref_logp, given, target, rows_of(call),
+                                 estimator.name, math.inf if kl_clamp is None else kl_clamp, shaping,
+                                 math.inf if score_clip is None else score_clip, route.backend(call, "epilogue"))
+    out = KlReward(*out)
+    if given:
+        ref_logp = out.ref_logp
     if call.truncation is not None:
         limit = float("inf") if kl_clamp is None else float(kl_clamp)
-        kl = torch.where((stats.logp == float("-inf")) & torch.isnan(kl), torch.full_like(kl, limit), kl)
-    return kl, stats.logp, ref_logp
+        kl = out.kl
+        out = out._replace(kl=torch.where((stats.logp == float("-inf")) & torch.isnan(kl), torch.full_like(kl, limit),
+                                          kl))
+    return out, stats.logp, ref_logp
 
 
 def token_kl(
@@ -100,6 +116,6 @@ def token_kl(
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
                  vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
-    kl, logp, ref_logp = kl_of_call(call, estimator, estimators.check_kl_clamp(kl_clamp))
+    out, logp, ref_logp = kl_of_call(call, estimator, estimators.check_kl_clamp(kl_clamp))
     shape = call.layout.shape
-    return KLOutput(kl.view(shape), logp.view(shape), ref_logp.view(shape))
+    return KLOutput(out.kl.view(shape), logp.view(shape), ref_logp.view(shape))

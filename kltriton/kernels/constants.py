@@ -10,6 +10,11 @@ exactly the flags of the JIT build. The C++ sources receive every value below as
 SKIP = -1          # not scored: outputs 0.0, gradient 0
 OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off): outputs NaN
 
+# --- the layout family: what a target kernel found wrong in its inputs (kltriton.kernels.layout), one bit each,
+# ORed into a per-device int64 flag vector of FLAG_SLOTS entries (validation without a host read on a device).
+BAD_LABEL, BAD_CU_SEQLENS_ENDS, BAD_CU_SEQLENS_ORDER, BAD_TEMPERATURE = 1, 2, 4, 8
+FLAG_SLOTS = ("bits", "label", "cu_first", "cu_last")  # the bits, a bad label, cu_seqlens' first and last offsets
+
 # --- the stream family's statistics (kltriton.kernels.statistics declares what each one means) ---
 # Request bits: a forward computes the statistics whose bit is in its request (0: always computed).
 # A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
@@ -58,9 +63,16 @@ HYPERPARAMETERS = ("ratio_low", "ratio_high", "dual_clip", "kl_clamp", "log_rati
                    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                    "vespo_lambda_neg", "kl_ratio")
 
+# The fused policy loss's metrics (its terms' kernel, kltriton.kernels.loss ``terms``), by slot of the metrics vector:
+# the aggregated terms before their coefficients, then means over the scored positions, then the ratio's extremes.
+LOSS_METRICS = ("pg_loss", "kl_loss", "entropy_loss", "clipfrac", "clipfrac_lower", "ppo_kl", "kl_mean",
+                "entropy_mean", "ratio_max", "ratio_min")
+# The aggregation modes (verl's agg_loss; kltriton.kernels.loss.weights), by index in the loss-inputs kernels.
+AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 # C++ sources of the CPU library (``csrc/``) and the headers their build depends on.
-CPP_SOURCES = ("ops.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
-               "truncation.cpp", "divergence.cpp", "invariant.cpp")
+CPP_SOURCES = ("ops.cpp", "layout.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
+               "truncation.cpp", "divergence.cpp", "invariant.cpp", "epilogue.cpp", "loss_terms.cpp")
 CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h",
                "invariant.h")
 
@@ -80,12 +92,19 @@ def cpp_defines() -> list:
     ``KLTRITON_STAT_<NAME>_REQUEST`` (bit), ``KLTRITON_NUM_STATS``, ``KLTRITON_REQUEST_LIMIT`` and
     ``KLTRITON_NEEDS_REF``; ``KLTRITON_BASIS_<TERM>`` (index), ``KLTRITON_BASIS_<TERM>_BIT`` (optional terms),
     ``KLTRITON_NUM_BASIS``, ``KLTRITON_BASIS_LIMIT`` and ``KLTRITON_BASIS_NEEDS_REF``; ``KLTRITON_HP_<NAME>`` (slot)
-    and ``KLTRITON_NUM_HP``; ``KLTRITON_FIXED_POINT_BITS``."""
+    and ``KLTRITON_NUM_HP``; ``KLTRITON_FIXED_POINT_BITS``; ``KLTRITON_BAD_<INPUT>`` (flag bits),
+    ``KLTRITON_FLAG_<SLOT>`` and ``KLTRITON_NUM_FLAGS``; ``KLTRITON_METRIC_<NAME>`` and ``KLTRITON_NUM_METRICS``."""
     flags = [f"-DKLTRITON_SKIP={SKIP}", f"-DKLTRITON_OUT_OF_RANGE={OUT_OF_RANGE}",
              f"-DKLTRITON_NUM_STATS={len(STATISTICS)}", f"-DKLTRITON_REQUEST_LIMIT={request_bits() + 1}",
              f"-DKLTRITON_NEEDS_REF={NEEDS_REF}", f"-DKLTRITON_NUM_BASIS={len(GRADIENT_BASIS)}",
              f"-DKLTRITON_BASIS_LIMIT={sum(BASIS_BITS.values()) + 1}", f"-DKLTRITON_BASIS_NEEDS_REF={BASIS_NEEDS_REF}",
-             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}", f"-DKLTRITON_FIXED_POINT_BITS={FIXED_POINT_BITS}"]
+             f"-DKLTRITON_NUM_HP={len(HYPERPARAMETERS)}", f"-DKLTRITON_FIXED_POINT_BITS={FIXED_POINT_BITS}",
+             f"-DKLTRITON_BAD_LABEL={BAD_LABEL}", f"-DKLTRITON_BAD_CU_SEQLENS_ENDS={BAD_CU_SEQLENS_ENDS}",
+             f"-DKLTRITON_BAD_CU_SEQLENS_ORDER={BAD_CU_SEQLENS_ORDER}", f"-DKLTRITON_BAD_TEMPERATURE={BAD_TEMPERATURE}",
+             f"-DKLTRITON_NUM_FLAGS={len(FLAG_SLOTS)}"]
+    flags += [f"-DKLTRITON_FLAG_{name.upper()}={i}" for i, name in enumerate(FLAG_SLOTS)]
+    flags += [f"-DKLTRITON_METRIC_{name.upper()}={i}" for i, name in enumerate(LOSS_METRICS)]
+    flags += [f"-DKLTRITON_NUM_METRICS={len(LOSS_METRICS)}"]
     flags += [f"-DKLTRITON_STAT_{name.upper()}={i}" for i, (name, _) in enumerate(STATISTICS)]
     flags += [f"-DKLTRITON_STAT_{name.upper()}_REQUEST={bit}" for name, bit in STATISTICS]
     flags += [f"-DKLTRITON_BASIS_{term.upper()}={i}" for i, term in enumerate(GRADIENT_BASIS)]

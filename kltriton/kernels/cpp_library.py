@@ -246,6 +246,8 @@ def _load_impl() -> str:
 
 def load() -> str:
     """Load (building if needed) the C++ ops once per process; returns how. Raises ``CppUnavailable``."""
+    if _state["loaded"]:  # every kernel call comes here: no lock, no environment read once loaded
+        return _state["how"]
     check_flags()  # a mistyped flag is an error naming it, not a silent fallback
     with _lock:
         if _state["loaded"]:

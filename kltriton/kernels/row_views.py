@@ -9,9 +9,11 @@ def as_rows3d(logits: torch.Tensor) -> torch.Tensor:
     stays a view (``A = batch``, ``B = time``). Only a layout needing three or more
     unmergeable leading dims is copied. The vocab dim is made contiguous if it is not.
     """
+    vocab = logits.shape[-1]
+    if logits.is_contiguous():
+        return logits.view(1, -1, vocab) if logits.numel() else logits.reshape(1, num_rows(logits), vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    vocab = logits.shape[-1]
     dims = [(size, stride) for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]) if size != 1]
     merged = []
     for size, stride in dims:

@@ -381,6 +381,51 @@ def skipped_stats(target):
     return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped
 
 
+# --- per-token KL estimators and packed sequences ---------------------------------------------------------------
+
+@triton.jit
+def kl_estimate(dk, kl_clamp, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr):
+    """``(value, slope)`` (float64) of a per-token KL estimator on ``dk = logp - ref_logp`` (float64), the value
+    clamped to ``[-kl_clamp, kl_clamp]`` and ``slope`` its derivative w.r.t. ``logp`` (0 where the clamp holds;
+    ``STRAIGHT``, verl's ``"k3+"``: the derivative of ``k2``, ``dk``). ``kltriton.estimators``; C++ ``kl_estimate``."""
+    if ESTIMATOR == "k1":
+        value = dk
+        slope = tl.zeros_like(dk) + 1.0
+    elif ESTIMATOR == "abs":
+        value = tl.abs(dk)
+        slope = tl.where(dk > 0, 1.0, tl.where(dk < 0, -1.0, 0.0))
+    elif ESTIMATOR == "k2":
+        value = 0.5 * dk * dk
+        slope = dk
+    elif ESTIMATOR == "k3":  # exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
+        slope = 1.0 - tl.exp(-dk)
+        value = dk - slope
+    else:
+        tl.static_assert(False, "kl_estimate has no per-token value for this KL estimator")
+    slope = tl.where(tl.abs(value) > kl_clamp, 0.0, slope)
+    value = clamp(value, -kl_clamp, kl_clamp)
+    if STRAIGHT:
+        slope = dk
+    return value, slope
+
+
+@triton.jit
+def first_offset_at_least(key, cu_ptr, num_offsets, search_steps):
+    """For each of ``key`` (int64), the first index ``i >= 1`` of ``cu_seqlens`` (``num_offsets`` entries) with
+    ``cu_seqlens[i] >= key``, or ``num_offsets``: a binary search of ``search_steps >= log2(num_offsets)`` steps. With
+    ``key = n + 1``: position ``n`` is in segment ``i - 1`` and ends it when ``cu_seqlens[i] == n + 1``."""
+    lo = tl.zeros_like(key) + 1
+    hi = tl.zeros_like(key) + num_offsets
+    for _ in range(search_steps):
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        value = tl.load(cu_ptr + mid, mask=open_, other=0).to(tl.int64)
+        right = open_ & (value < key)
+        hi = tl.where(open_ & ~right, mid, hi)
+        lo = tl.where(right, mid + 1, lo)
+    return lo
+
+
 # --- the gradient -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -404,6 +449,50 @@ def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, 
         c_p_logq = gk
     return ((gl * inv).to(tl.float32), (c_p * inv).to(tl.float32), (c_p_logp * inv).to(tl.float32),
             (c_p_logq * inv).to(tl.float32), 0.0)
+
+
+@triton.jit
+def upstream_basis(row, g_logp_ptr, g_entropy_ptr, g_full_kl_ptr, g_forward_kl_ptr, entropy_ptr, full_kl_ptr,
+                   inv_temperature):
+    """A row's gradient basis ``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` (fp32, divided by ``T``) from the upstream
+    gradients of its statistics (None: no gradient) and the entropy / full KL values their terms read, computed in
+    float64 (``kltriton.kernels.statistics.gradient_basis``; a zero gradient adds nothing even where its statistic is
+    infinite)."""
+    inv = inv_temperature.to(tl.float64)
+    gl = tl.zeros((), tl.float64)
+    if g_logp_ptr is not None:
+        gl = tl.load(g_logp_ptr + row).to(tl.float64)
+    c_p = gl
+    c_p_logp = tl.zeros((), tl.float64)
+    c_p_logq = tl.zeros((), tl.float64)
+    c_q = tl.zeros((), tl.float64)
+    if g_entropy_ptr is not None:
+        g = tl.load(g_entropy_ptr + row).to(tl.float64)
+        c_p += tl.where(g == 0, 0.0, g * tl.load(entropy_ptr + row).to(tl.float64))
+        c_p_logp += g
+    if g_full_kl_ptr is not None:
+        g = tl.load(g_full_kl_ptr + row).to(tl.float64)
+        c_p += tl.where(g == 0, 0.0, g * tl.load(full_kl_ptr + row).to(tl.float64))
+        c_p_logp -= g
+        c_p_logq = g
+    if g_forward_kl_ptr is not None:
+        g = tl.load(g_forward_kl_ptr + row).to(tl.float64)
+        c_p -= g
+        c_q = g
+    return ((gl * inv).to(tl.float32), (c_p * inv).to(tl.float32), (c_p_logp * inv).to(tl.float32),
+            (c_p_logq * inv).to(tl.float32), (c_q * inv).to(tl.float32))
+
+
+def upstream_terms(upstream) -> int:
+    """The optional basis terms (``constants.BASIS_BITS``) of upstream gradients (``kltriton.kernels.stream.Upstream``)."""
+    terms = 0
+    if upstream.entropy is not None or upstream.full_kl is not None:
+        terms |= constants.P_LOGP
+    if upstream.full_kl is not None:
+        terms |= constants.P_LOGQ
+    if upstream.forward_kl is not None:
+        terms |= constants.Q
+    return terms
 
 
 @triton.jit

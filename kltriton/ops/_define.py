@@ -1,9 +1,10 @@
 """Custom ops from declared arguments: one ``torch.library`` op per kernel pass, keyed on sides.
 
 An op declares its arguments once, as ``(name, kind)`` pairs. A kind is a schema type (``TENSOR``, ``OPTIONAL``,
-``INT``, ``BOOL``, ``STR``, ``DTYPE``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
+``INT``, ``FLOAT``, ``BOOL``, ``STR``, ``DTYPE``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
 value: ``SIDE`` (a ``kltriton.kernels.linear.Side``: dense logits, or an LM head's hidden states, weight, bias,
-scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``NEEDS_GRAD``
+scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``UPSTREAM``
+(``kltriton.kernels.stream.Upstream``: upstream gradients of the statistics, the basis made in the kernel), ``NEEDS_GRAD``
 (which of a side's hidden states or logits, weight and bias get a gradient), ``LOSS_INPUTS``. The schema lists a
 group's fields (``policy_x``, ``policy_weight``, ...), derived from the group's type, so no launcher, fake or
 caller lists them, and a new basis term changes no op.
@@ -20,8 +21,9 @@ from kltriton.kernels.constants import GRADIENT_BASIS
 from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import LossInputs
 from kltriton.kernels.statistics import Basis
+from kltriton.kernels.stream import Upstream
 
-TENSOR, OPTIONAL, INT, BOOL, STR, DTYPE = "Tensor", "Tensor?", "int", "bool", "str", "ScalarType"
+TENSOR, OPTIONAL, INT, FLOAT, BOOL, STR, DTYPE = "Tensor", "Tensor?", "int", "float", "bool", "str", "ScalarType"
 
 
 class NeedsGrad(NamedTuple):
@@ -42,7 +44,8 @@ class Group(NamedTuple):
 SIDE = Group(Side, (OPTIONAL,) * len(Side._fields), optional=True)
 BASIS = Group(Basis, tuple(TENSOR if term in ("label", "p") else OPTIONAL for term in GRADIENT_BASIS))
 NEEDS_GRAD = Group(NeedsGrad, (BOOL,) * 3)
-LOSS_INPUTS = Group(LossInputs, (OPTIONAL, TENSOR, TENSOR, TENSOR, TENSOR, OPTIONAL))
+LOSS_INPUTS = Group(LossInputs, (OPTIONAL, TENSOR, TENSOR, TENSOR, TENSOR, OPTIONAL, OPTIONAL))
+UPSTREAM = Group(Upstream, (OPTIONAL,) * len(Upstream._fields))
 assert Basis._fields == GRADIENT_BASIS
 
 
@@ -74,6 +77,8 @@ class Op:
 
     def __init__(self, name, inputs, outputs, launch, fake):
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self.launch, self.function = launch, None  # function: the eager autograd node (``define_op``'s backward)
+        self.names = tuple(arg for arg, _ in self.inputs)
         names = [arg for arg, _ in self.inputs] + list(self.outputs)
         assert len(set(names)) == len(names), f"kltriton::{name}: an input and an output share a name"
         self.spans, self.layout, start = {}, [], 0  # layout: (name, Group or None, start, stop) in schema order
@@ -106,7 +111,92 @@ class Op:
         return tuple(flat)
 
     def __call__(self, *args):
-        return self.overload(*self.flatten(*args))
+        if not eager(args):
+            return self.overload(*self.flatten(*args))
+        named = SimpleNamespace(**dict(zip(self.names, args)))
+        if self.function is not None and torch.is_grad_enabled():
+            first = args[0]
+            tensors = tuple(first) if isinstance(first, tuple) else (first,)
+            if torch._C._any_requires_grad(*(t for t in tensors if t is not None)):
+                differentiable = self.function.apply(named, *tensors)
+                outputs = list(named.outputs)
+                for i, tensor in zip(named.differentiable, differentiable):
+                    outputs[i] = tensor
+                del named.outputs  # the node holds ``named``: no reference from it to its own outputs
+                return tuple(outputs) if len(outputs) > 1 else outputs[0]
+        return self.launch(named)
+
+
+_TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager(args) -> bool:
+    """Whether a call of an op (``args``: its arguments, groups as tuples) may skip the dispatcher and run its launcher
+    (or autograd node) directly: not while ``torch.compile``, ``make_fx`` or a functorch transform traces it, and only
+    with plain tensors (a fake, functional or other subclass tensor goes through the registered op, which is what
+    those systems see). A mode that only watches (a ``TorchDispatchMode`` that counts ops) sees the ops the launcher
+    dispatches."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for key in _TRACING_MODES:
+        if torch._C._get_dispatch_mode(key) is not None:
+            return False
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if type(arg) not in _PLAIN:
+                return False
+        elif isinstance(arg, tuple):
+            for field in arg:
+                if isinstance(field, torch.Tensor) and type(field) not in _PLAIN:
+                    return False
+    return True
+
+
+def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
+    """The autograd node of an eager call (``Op.__call__`` without the dispatcher): ``apply(args, *tensors)`` with
+    ``args`` the inputs by name and ``tensors`` the first input's tensors (a ``Group``'s fields, or the tensor), the
+    only input that gets a gradient. The forward runs the launcher and returns only the outputs that can have a
+    gradient (``grad_outputs(args)``: on a CPU core every output of an autograd node costs a few microseconds); every
+    output goes to ``args.outputs``, their indices to ``args.differentiable``. It saves the first input's tensors and
+    the ``save`` outputs (the version counters catch an in-place change before the backward); the other ``save``
+    inputs are held as they are."""
+    first, first_kind = op.inputs[0]
+    grouped = isinstance(first_kind, Group)
+    saved_outputs = [i for i, out in enumerate(op.outputs) if out in save]
+    index = {out: i for i, out in enumerate(op.outputs)}
+
+    class EagerFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, args, *tensors):
+            outs = op.launch(args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            args.outputs = outs
+            args.differentiable = ctx.differentiable = [index[name] for name in grad_outputs(args)]
+            ctx.args, ctx.present = args, [t is not None for t in tensors]
+            ctx.save_for_backward(*(t for t in tensors if t is not None), *(outs[i] for i in saved_outputs))
+            ctx.set_materialize_grads(materialize_grads)
+            return tuple(outs[i] for i in ctx.differentiable)
+
+        @staticmethod
+        def backward(ctx, *returned):
+            grads = dict.fromkeys(op.outputs)
+            for i, grad in zip(ctx.differentiable, returned):
+                grads[op.outputs[i]] = grad
+            saved = SimpleNamespace(**vars(ctx.args))
+            stored = iter(ctx.saved_tensors)
+            fields = [next(stored) if here else None for here in ctx.present]
+            setattr(saved, first, _group(first_kind, fields) if grouped else fields[0])
+            for i in saved_outputs:
+                setattr(saved, op.outputs[i], next(stored))
+            needs = ctx.needs_input_grad[1:]
+            saved.needs_grad = {first: tuple(needs) if grouped else needs[0]}
+            grad = backward(saved, grads).get(first)
+            grad = grad if isinstance(grad, tuple) else (grad,)
+            return (None, *grad, *(None,) * (len(ctx.present) - len(grad)))
+
+    EagerFunction.__name__ = f"{op.overload.name().split('::')[-1]}_backward_node"
+    return EagerFunction
 
 
 def _below_autograd(overload, keyset, flat):
@@ -116,7 +206,7 @@ def _below_autograd(overload, keyset, flat):
 
 
 def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optional[Callable] = None,
-              materialize_grads=True) -> Op:
+              materialize_grads=True, grad_outputs=None) -> Op:
     """Register ``kltriton::<name>`` and return it as an ``Op``.
 
     Args:
@@ -129,6 +219,8 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
             attributes and ``needs_grad`` (input name -> bool, a group's: a tuple of bools), ``grads`` maps output
             names to their gradient (None when unused, with ``materialize_grads=False``). Omit it for an op that is
             not differentiable (its outputs never require grad).
+        grad_outputs: the names of the outputs that can have a gradient (default: every output), or a function of the
+            inputs by name returning them (the statistics a call computes); the others come out without one.
     """
     op = Op(name, inputs, outputs, launch, fake)
     if backward is None:
@@ -169,6 +261,9 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
             return (None, *out)
 
     Function.__name__ = f"{name}_backward_node"
+    names = tuple(outputs) if grad_outputs is None else grad_outputs
+    op.function = _eager_function(op, save, backward, materialize_grads,
+                                  names if callable(names) else (lambda args: names))
 
     def autograd_kernel(keyset, *flat):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*flat):

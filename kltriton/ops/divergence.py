@@ -86,7 +86,7 @@ jsd = define_op(
     "jsd", inputs=(*_JSD_INPUTS, ("tile_elements", INT), ("backend", STR)), outputs=("jsd", "kl_student"),
     launch=_jsd, fake=lambda args: _rows(args.policy.x, args.target.shape[0], 2),
     save=(*(name for name, _ in _JSD_INPUTS), "tile_elements", "backend", "kl_student"), backward=_jsd_autograd,
-    materialize_grads=False)
+    materialize_grads=False, grad_outputs=("jsd",))
 
 
 # ------------------------------------------------------------------- a loss with its gradient in the forward
@@ -123,7 +123,8 @@ divergence_loss = define_op(
             ("backend", STR)),
     outputs=("loss", "divergence", "entropy", "d_x", "d_weight", "d_bias"), launch=_loss, fake=_loss_fake,
     save=("policy", "backend", "d_x", "d_weight", "d_bias"),
-    backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False)
+    backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False,
+    grad_outputs=("loss",))
 
 
 # ------------------------------------------------------------------------------ K columns (a top-k teacher)
@@ -222,7 +223,7 @@ columns = define_op(
             ("with_entropy", BOOL), ("tile_elements", INT), ("backend", STR)),
     outputs=("logp", "lse", "entropy"), launch=_columns, fake=_columns_fake,
     save=("policy", "ids", "target", "temperature", "tile_elements", "backend", "lse"), backward=_columns_autograd,
-    materialize_grads=False)
+    materialize_grads=False, grad_outputs=("logp",))
 
 
 __all__ = ["Side", "column_gradients", "columns", "columns_backward", "divergence_loss", "jsd", "jsd_backward",

@@ -3,29 +3,18 @@ gradient in the forward, for dense logits (the backend's ``loss`` family) or an 
 tiles of whole rows); ``kltriton::loss_scale_`` is the backward's only work.
 
 The backward applies the upstream gradient in place on the saved gradient (``loss_scale_``), which moves no
-``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel). The loss value is
-``sum(terms.objective)`` of the kernel's statistics.
+``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel). The loss value, the per-token
+KL and ratio and the metrics come from the family's ``terms`` kernel on the rows' statistics, in the same op.
 """
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from kltriton import dispatch, estimators
-from kltriton.kernels import accumulation_dtype, statistics
-from kltriton.kernels.loss import masked, statistics_request, terms
-from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
+from kltriton import dispatch
+from kltriton.kernels import accumulation_dtype, constants, statistics
+from kltriton.kernels.loss import masked, statistics_request
+from kltriton.ops._define import BOOL, FLOAT, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
+from kltriton.ops.epilogue import ROWS
 from kltriton.ops.statistics import empty_gradients
-
-
-def loss_value(target, loss_type, estimator, stats, inputs, hyperparameters):
-    """The loss from a ``loss`` kernel's statistics and its ``LossInputs`` (the reference log-probs read from
-    the reference logits where the kernel had them, else the given ones)."""
-    ref_logp = stats.ref_logp if stats.ref_logp.shape == stats.logp.shape else inputs.ref_logp
-    full_kl = stats.full_kl if estimator == "full" else None
-    est = estimators.parse(estimator) if estimator else None
-    token = terms.token_terms(loss_type, est, stats.logp, ref_logp, full_kl, inputs.old_logp, inputs.advantages, hyperparameters,
-                              target >= 0)
-    entropy = stats.entropy if stats.entropy.shape == stats.logp.shape else torch.zeros_like(stats.logp)
-    return terms.objective(token, entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
 
 
 def _forward(args):
@@ -36,7 +25,7 @@ def _forward(args):
     common = (args.target, args.temperature)
     dense = policy.weight is None
     impl = dispatch.implementation("loss" if dense else "linear", args.backend)
-    threshold = policy.x.new_full((), float("nan"), dtype=torch.float32)
+    threshold = policy.x.new_empty(0, dtype=torch.float32)  # the entropy mask's quantile: [] with the mask
     if dense:
         with_grad = needs_grad.x
         ref_logits = None if ref is None else ref.x
@@ -58,7 +47,9 @@ def _forward(args):
                                                                args.entropy_quantile)
         inputs = inputs._replace(w_pg=inputs.w_pg * keep.to(inputs.w_pg.dtype))
     grads = tuple(policy.x.new_empty(0) if d is None else d for d in grads)  # no None or aliased outputs
-    return (loss_value(args.target, args.loss_type, args.estimator, stats, inputs, hyperparameters), *stats, threshold, *grads)
+    out = dispatch.implementation("loss", args.backend).terms(stats, args.target, inputs, hyperparameters,
+                                                               args.loss_type, args.estimator)
+    return (out.loss, *stats, threshold, *grads, out.kl, out.ratio, out.metrics)
 
 
 def _forward_fake(args):
@@ -71,7 +62,9 @@ def _forward_fake(args):
                  policy.x.new_empty(0), policy.x.new_empty(0))
     else:
         grads = empty_gradients(policy, args.needs_grad)
-    return (new(()), *stats, policy.x.new_empty((), dtype=torch.float32), *grads)
+    f32 = lambda size: policy.x.new_empty(size, dtype=torch.float32)  # noqa: E731
+    return (new(()), *stats, f32(0 if args.entropy_quantile is None else ()), *grads, new(n), new(n),
+            f32(len(constants.LOSS_METRICS)))
 
 
 @torch.library.custom_op("kltriton::loss_scale_", mutates_args=("grad",))
@@ -115,6 +108,21 @@ loss = define_op(
             ("hyperparameters", TENSOR), ("loss_type", STR), ("estimator", STR), ("entropy_grad", BOOL),
             ("needs_grad", NEEDS_GRAD), ("with_entropy", BOOL), ("entropy_quantile", OPTIONAL), ("tile_elements", INT),
             ("backend", STR)),
-    outputs=("loss", *statistics.NAMES, "threshold", "d_x", "d_weight", "d_bias"), launch=_forward,
+    outputs=("loss", *statistics.NAMES, "threshold", "d_x", "d_weight", "d_bias", "kl", "ratio", "metrics"),
+    launch=_forward,
     fake=_forward_fake, save=("policy", "backend", "d_x", "d_weight", "d_bias"),
-    backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False)
+    backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False,
+    grad_outputs=("loss",))
+
+
+row_inputs = define_op(
+    "loss_row_inputs",
+    inputs=(("target", TENSOR), ("rows", ROWS), ("aggregation", STR), ("num_tokens", OPTIONAL), ("num_seqs_agg", OPTIONAL),
+            ("horizon", OPTIONAL), ("advantages", TENSOR), ("per_sequence", BOOL), ("kl_coef", FLOAT),
+            ("entropy_coef", FLOAT), ("backend", STR)),
+    outputs=("inputs",),
+    launch=lambda args: dispatch.implementation("loss", args.backend).row_inputs(
+        args.target, args.rows, args.aggregation, args.num_tokens, args.num_seqs_agg, args.horizon,
+        args.advantages.detach(), args.per_sequence, args.kl_coef, args.entropy_coef),
+    fake=lambda args: args.advantages.new_empty((5, args.target.shape[0]),
+                                                dtype=accumulation_dtype(args.advantages.dtype)))

@@ -13,7 +13,8 @@ from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype
 from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
-from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, NeedsGrad, define_op
+from kltriton.kernels.stream import Upstream
+from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, UPSTREAM, NeedsGrad, define_op
 
 
 def family(policy, ref) -> str:
@@ -80,10 +81,32 @@ def gradients(policy, ref, target, temperature, tile_elements, backend, grads, s
                                stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements, backend)
 
 
+def _gradient_kernel(args):
+    upstream = Upstream(*(None if g is None else g.contiguous() for g in args.upstream))
+    return dispatch.implementation("stream", args.backend).backward_upstream(
+        args.logits, args.ref, args.target, args.temperature, args.lse, args.ref_lse, upstream)
+
+
+statistics_gradient = define_op(
+    "statistics_gradient",
+    inputs=(("logits", TENSOR), ("ref", OPTIONAL), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
+            ("ref_lse", OPTIONAL), ("upstream", UPSTREAM), ("backend", STR)),
+    outputs=("grad",), launch=_gradient_kernel, fake=lambda args: args.logits.new_empty(args.logits.shape))
+
+
 def _backward(saved, grads):
     needs_grad = saved.needs_grad["policy"][:3]
+    policy, ref = saved.policy, saved.ref
+    if family(policy, ref) == "stream":  # dense logits: the basis is computed per row inside the kernel
+        entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
+        upstream = Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
+                            None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
+        with_ref = upstream.reads_ref()
+        grad = statistics_gradient(policy.x, ref.x if with_ref else None, saved.target, saved.temperature, saved.lse,
+                                   saved.ref_lse if with_ref else None, upstream, saved.backend)
+        return {"policy": (grad, None, None)}
     stats = StreamStats(*(getattr(saved, name) for name in table.NAMES))
-    d = gradients(saved.policy, saved.ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
+    d = gradients(policy, ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
                   grads, stats, needs_grad)
     return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
 
@@ -94,4 +117,5 @@ statistics = define_op(
             ("tile_elements", INT), ("backend", STR)),
     outputs=table.NAMES, launch=_forward, fake=_forward_fake,
     save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES), backward=_backward,
-    materialize_grads=False)
+    materialize_grads=False,
+    grad_outputs=lambda args: tuple(name for name in table.DIFFERENTIABLE if table.present(args.request, name)))

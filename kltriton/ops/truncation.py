@@ -73,7 +73,8 @@ _forward_op = define_op(
             ("backend", STR)),
     outputs=("kept_floor", *statistics.NAMES), launch=_forward, fake=_forward_fake,
     save=("logits", "target", "temperature", "kept_floor", "backend", *statistics.NAMES), backward=_backward,
-    materialize_grads=False)
+    materialize_grads=False,
+    grad_outputs=lambda args: tuple(name for name in statistics.DIFFERENTIABLE if statistics.present(args.request, name)))
 
 
 def truncated_forward(logits, target, temperature, knobs, floor, request: int, backend: str):
@@ -166,7 +167,8 @@ _replay_statistics_op = define_op(
     fake=_replay_fake,
     save=("values", "ids", "target", "temperature", "backend", "logp", "lse", "entropy", "row_max", "log_mass",
           "label_column"),
-    backward=_replay_statistics_backward, materialize_grads=False)
+    backward=_replay_statistics_backward, materialize_grads=False,
+    grad_outputs=lambda args: ("logp", "entropy") if args.request & statistics.constants.ENTROPY else ("logp",))
 
 
 def replay_statistics(values: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, temperature: torch.Tensor,

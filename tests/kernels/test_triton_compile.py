@@ -42,7 +42,7 @@ COMPILE_ALL = textwrap.dedent('''
             static.compile_kernel(getattr(td, name), dtype, 32000, constants, launch.options, 90, ref_dtype)
             count += 1
     # The fused formulas that STATIC_VARIANTS leaves out, with TRL's bias-corrected KL (a runtime value).
-    others = tuple((f, False, f, "k1", False) for f in tl_loss.terms.FUSED
+    others = tuple((f, False, f, "k1", False) for f in tl_loss.formulas.FUSED
                    if f not in {v[2] for v in tl_loss.STATIC_VARIANTS})
     for name, launch, variant, absent in tl_loss.launches(32000, 4, others):
         if name == "_loss_forward_kernel":

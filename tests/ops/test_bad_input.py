@@ -132,7 +132,6 @@ def test_demo_on_cuda_without_cuda_is_one_line():
 @pytest.mark.parametrize("name, value, message", [
     ("KLTRITON_LINEAR_TILE", "1e6", "KLTRITON_LINEAR_TILE='1e6' is not an integer"),
     ("KLTRITON_LINEAR_TILE", "0", "KLTRITON_LINEAR_TILE must be >= 1"),
-    ("KLTRITON_CPU_GRAD_CACHE", "maybe", "KLTRITON_CPU_GRAD_CACHE='maybe' is not a flag"),
     ("KLTRITON_BACKEND", "gpu", "KLTRITON_BACKEND must be one of"),
 ])
 def test_unparsable_environment_variables_name_themselves(monkeypatch, name, value, message):
@@ -141,6 +140,14 @@ def test_unparsable_environment_variables_name_themselves(monkeypatch, name, val
     with pytest.raises(ValueError, match=message):
         kltriton.token_logprobs(kltriton.LinearLogits(h, w), torch.tensor([0, 1, 2]),
                                 backend=None if name == "KLTRITON_BACKEND" else "cpp")
+
+
+def test_an_unparsable_library_flag_names_itself_when_the_library_loads():
+    """The C++ library's flags are read once, when it loads (its first call in a process): a typo is an error then."""
+    code = "import torch, kltriton; kltriton.token_logprobs(torch.randn(3, 7), torch.tensor([0, 1, 2]), backend='cpp')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, KLTRITON_CPU_GRAD_CACHE="maybe"))
+    assert done.returncode != 0 and "KLTRITON_CPU_GRAD_CACHE='maybe' is not a flag" in done.stderr
 
 
 def test_process_group_before_init_in_a_distributed_launch(monkeypatch):

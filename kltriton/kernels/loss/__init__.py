@@ -42,6 +42,21 @@ entropy_grad, with_grad, with_entropy=True) -> (StreamStats, grad)``
     optional ``p_logp`` terms) of the rows with ``target >= 0``, a finite ``lse`` and a nonzero coefficient;
     the other rows are neither read nor written (the entropy mask's last pass, ``masked.py``).
 
+``terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms``
+    After ``forward``: the per-token terms of every row from its statistics and ``inputs`` (``terms.token_terms``),
+    the loss ``sum(w_pg * pg + w_kl * kl + w_ent * entropy)``, and the metrics (``constants.LOSS_METRICS``: ``pg_loss
+    = sum(w_pg * pg)``, ``kl_loss`` and ``entropy_loss`` with ``w_agg``; the means of verl's clip flags, of
+    ``-log_ratio`` (``ppo_kl``), of the KL and of the entropy over the rows with ``target != SKIP``; the ratio's
+    largest and smallest value there, 0 without any), summed in row order. One kernel on the cpp and triton backends.
+
+``row_inputs(target, rows, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
+entropy_coef) -> [5, N]``
+    Before ``forward``: each row's advantage (``advantages [num_seqs]`` broadcast when ``per_sequence``), aggregation
+    weight (verl's ``agg_loss`` of ``constants.AGGREGATIONS`` as weights over the rows with ``target != SKIP``, its
+    sequences ``rows``: ``kltriton.kernels.epilogue.Rows``; ``num_tokens`` / ``num_seqs_agg`` 0-dim denominators or
+    None: counted, ``horizon`` 0-dim or None), and ``w_pg``, ``w_kl``, ``w_ent`` (that weight times 1, ``kl_coef`` and
+    ``-entropy_coef``), fp32. One kernel on the cpp and triton backends.
+
 ``scale_(grad, upstream) -> None``
     ``grad *= upstream`` in place (``upstream`` 0-dim on the same device). When ``upstream`` is exactly
     1 the cpp and triton backends move no ``[N, V]`` bytes, decided on the device (no host sync).
@@ -61,6 +76,20 @@ class LossInputs(NamedTuple):
     w_kl: torch.Tensor                 # kl_coef * aggregation weight
     w_ent: torch.Tensor                # -entropy_coef * aggregation weight
     ref_logp: Optional[torch.Tensor]   # given reference log-probs (None with ref_logits or no KL)
+    w_agg: Optional[torch.Tensor] = None  # the aggregation weight alone (the metrics' pg / kl / entropy loss); None: w_pg
+
+
+class LossTerms(NamedTuple):
+    """``terms``' results."""
+    loss: torch.Tensor     # [] the loss
+    kl: torch.Tensor       # [N] the KL term (times the ratio with kl_ratio), 0 where not scored
+    ratio: torch.Tensor    # [N] the importance ratio, 0 where not scored
+    metrics: torch.Tensor  # [len(constants.LOSS_METRICS)] fp32
+
+
+def reference_logp(stats, inputs):
+    """The reference log-probs a loss's KL reads: the forward's (reference logits) or the given ones."""
+    return stats.ref_logp if stats.ref_logp.shape == stats.logp.shape else inputs.ref_logp
 
 
 def statistics_request(has_ref_logits: bool, estimator: str, entropy: bool = True) -> int:
@@ -69,4 +98,4 @@ def statistics_request(has_ref_logits: bool, estimator: str, entropy: bool = Tru
     return statistics.request(entropy=entropy, ref=has_ref_logits, full_kl=estimator == "full")
 
 
-__all__ = ["LossInputs", "constants", "statistics_request"]
+__all__ = ["LossInputs", "LossTerms", "constants", "reference_logp", "statistics_request"]

@@ -3,7 +3,12 @@
 Any float dtype (float64 logits give a float64 oracle). ``scale_`` always multiplies (it reads and
 writes the gradient even when the upstream gradient is 1).
 """
-from kltriton.kernels.loss import composed
+import torch
+
+from kltriton import estimators
+from kltriton.kernels import SKIP, constants
+from kltriton.kernels.epilogue.reference import sequences as sequences_of
+from kltriton.kernels.loss import LossTerms, composed, reference_logp, terms as formulas, weights
 from kltriton.kernels.stream import reference as stream
 
 
@@ -19,3 +24,33 @@ def accumulate_(grad, logits, target, temperature, lse, basis):
 
 def scale_(grad, upstream):
     grad.mul_(upstream.to(grad.dtype))
+
+
+def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms:
+    est = estimators.parse(estimator) if estimator else None
+    logp, scored = stats.logp, target != SKIP
+    ref = reference_logp(stats, inputs)
+    if ref is not None and stats.ref_logp.shape != logp.shape:  # given: 0 where not scored
+        ref = torch.where(scored, ref.to(logp.dtype), torch.zeros_like(logp))
+    full_kl = stats.full_kl if est is not None and est.needs_ref_logits else None
+    token = formulas.token_terms(loss_type, est, logp, ref, full_kl, inputs.old_logp, inputs.advantages,
+                                 hyperparameters, scored)
+    entropy = stats.entropy if stats.entropy.shape == logp.shape else torch.zeros_like(logp)
+    entropy = torch.where(scored, entropy, torch.zeros_like(entropy))
+    w_agg = inputs.w_pg if inputs.w_agg is None else inputs.w_agg
+    sums = {"pg_loss": ((inputs.w_pg * token.pg).sum(), None), "kl_loss": ((w_agg * token.kl).sum(), None),
+            "entropy_loss": ((w_agg * entropy).sum(), None)}
+    metrics = weights.metrics(token, scored, entropy, None, sums, {}, weights.Sequences(None, 1))
+    loss = formulas.objective(token, entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
+    return LossTerms(loss, token.kl, token.ratio, torch.stack([metrics[name] for name in constants.LOSS_METRICS]))
+
+
+def row_inputs(target, rows, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
+               entropy_coef):
+    seqs = sequences_of(target, rows)
+    scored = target != SKIP
+    dtype = advantages.dtype if advantages.dtype == torch.float64 else torch.float32
+    seqs = seqs._replace(horizon=horizon, num_tokens=num_tokens, num_seqs_agg=num_seqs_agg)
+    w = weights.aggregation_weights(aggregation, scored, seqs, dtype)
+    adv = (advantages[seqs.seq_index] if per_sequence else advantages).to(dtype)
+    return torch.stack([adv, w, w, w * kl_coef, w * -entropy_coef])

@@ -28,7 +28,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from kltriton import estimators
-from kltriton._inputs import check_float
+from kltriton._inputs import check_float, constant_vector, runtime_scalar
 from kltriton.kernels import constants
 from kltriton.kernels.loss.weights import Sequences
 
@@ -264,25 +264,20 @@ def _parameters(loss_type: str, given: dict, default: dict) -> dict:
 
 
 def hyperparameters(device, **values) -> torch.Tensor:
-    """The float64 hyperparameter vector from ``values`` by slot name (each a 0-dim float64 tensor, a float, or
-    None); a slot not given (or None) is ``inf`` (off), except ``kl_ratio`` (0: off)."""
+    """The float64 hyperparameter vector from ``values`` by slot name (each a python float, a 0-dim float64 tensor,
+    or None); a slot not given (or None) is ``inf`` (off), except ``kl_ratio`` (0: off). In eager calls with python
+    floats the vector of each set of values is made once per device and kept (``_inputs.runtime_scalar``'s cache):
+    on a GPU every small tensor made per call is a kernel launch."""
     unknown = set(values) - set(SLOT)
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}; slots: {constants.HYPERPARAMETERS}")
-    # One tensor per distinct "off" value, shared by every slot that is off: on a GPU each small tensor is a kernel
-    # launch, and most of the 20 slots are off in any one call.
-    inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-    off = {"kl_ratio": torch.zeros((), dtype=torch.float64, device=device)}
-
-    def slot(name):
-        value = values.get(name)
-        if value is None:
-            return off.get(name, inf)
-        if isinstance(value, torch.Tensor):
-            return value.to(device=device, dtype=torch.float64)
-        return torch.ones((), dtype=torch.float64, device=device) * value
-
-    return torch.stack([slot(name) for name in constants.HYPERPARAMETERS])
+    slots = [values.get(name) for name in constants.HYPERPARAMETERS]
+    slots = [(0.0 if name == "kl_ratio" else INF) if value is None else value
+             for name, value in zip(constants.HYPERPARAMETERS, slots)]
+    if not torch.compiler.is_compiling() and not any(isinstance(v, torch.Tensor) for v in slots):
+        return constant_vector(slots, device)
+    return torch.stack([v.to(device=device, dtype=torch.float64) if isinstance(v, torch.Tensor)
+                        else runtime_scalar(v, device) for v in slots])
 
 
 # --- per-token terms ----------------------------------------------------------------------------

@@ -24,22 +24,29 @@ import triton.language as tl
 from kltriton import estimators
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as rows
-from kltriton.kernels.loss import composed, statistics_request, terms
+from kltriton.kernels.loss import LossTerms, composed, reference_logp, statistics_request
+from kltriton.kernels.loss import terms as formulas
 from kltriton.kernels.row_views import num_rows
 from kltriton.kernels.stream import triton as stream
 
 SCALE_BLOCK = 4096
-HP_RATIO_LOW = tl.constexpr(terms.SLOT["ratio_low"])
-HP_RATIO_HIGH = tl.constexpr(terms.SLOT["ratio_high"])
-HP_DUAL_CLIP = tl.constexpr(terms.SLOT["dual_clip"])
-HP_KL_CLAMP = tl.constexpr(terms.SLOT["kl_clamp"])
-HP_LOG_RATIO_CLAMP = tl.constexpr(terms.SLOT["log_ratio_clamp"])
-HP_DELTA = tl.constexpr(terms.SLOT["delta"])
-HP_TAU_POS = tl.constexpr(terms.SLOT["tau_pos"])
-HP_TAU_NEG = tl.constexpr(terms.SLOT["tau_neg"])
-HP_CLIP_RATIO_C = tl.constexpr(terms.SLOT["clip_ratio_c"])
-HP_DRO_BETA = tl.constexpr(terms.SLOT["dro_beta"])
-HP_KL_RATIO = tl.constexpr(terms.SLOT["kl_ratio"])
+HP_RATIO_LOW = tl.constexpr(formulas.SLOT["ratio_low"])
+HP_RATIO_HIGH = tl.constexpr(formulas.SLOT["ratio_high"])
+HP_DUAL_CLIP = tl.constexpr(formulas.SLOT["dual_clip"])
+HP_KL_CLAMP = tl.constexpr(formulas.SLOT["kl_clamp"])
+HP_LOG_RATIO_CLAMP = tl.constexpr(formulas.SLOT["log_ratio_clamp"])
+HP_DELTA = tl.constexpr(formulas.SLOT["delta"])
+HP_TAU_POS = tl.constexpr(formulas.SLOT["tau_pos"])
+HP_TAU_NEG = tl.constexpr(formulas.SLOT["tau_neg"])
+HP_CLIP_RATIO_C = tl.constexpr(formulas.SLOT["clip_ratio_c"])
+HP_DRO_BETA = tl.constexpr(formulas.SLOT["dro_beta"])
+HP_KL_RATIO = tl.constexpr(formulas.SLOT["kl_ratio"])
+SKIP = tl.constexpr(constants.SKIP)
+TERMS_BLOCK = 1024
+(METRIC_PG_LOSS, METRIC_KL_LOSS, METRIC_ENTROPY_LOSS, METRIC_CLIPFRAC, METRIC_CLIPFRAC_LOWER, METRIC_PPO_KL,
+ METRIC_KL_MEAN, METRIC_ENTROPY_MEAN, METRIC_RATIO_MAX, METRIC_RATIO_MIN) = (tl.constexpr(constants.LOSS_METRICS.index(
+     name)) for name in ("pg_loss", "kl_loss", "entropy_loss", "clipfrac", "clipfrac_lower", "ppo_kl", "kl_mean",
+                         "entropy_mean", "ratio_max", "ratio_min"))
 
 # (variant, reference logits, loss type, estimator, entropy gradient) compiled by benchmarks/static.py:
 # the lightest kernel, the usual GRPO one, the heaviest (full KL: the reference read in both passes),
@@ -107,19 +114,64 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     elif LOSS_TYPE == "dro":  # -(logp A - beta / 2 (logp - old)^2)
         slope = -adv + tl.load(hp_ptr + HP_DRO_BETA) * d
     elif LOSS_TYPE == "dppo_tv" or LOSS_TYPE == "dppo_kl":  # -A * sg(min(r, clip_ratio_c)) * logp in the region
-        clip_low = 1.0 - low
-        clip_high = high - 1.0
-        p = tl.exp(lp)
-        p_old = tl.exp(old)
-        if LOSS_TYPE == "dppo_tv":
-            valid = tl.where(adv > 0, (p - p_old) <= clip_high, (p - p_old) >= -clip_low)
-        else:
-            div = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-            valid = tl.where(adv > 0, (div <= clip_high) | (p <= p_old), (div <= clip_low) | (p >= p_old))
+        valid = _dppo_valid(lp, old, adv, hp_ptr, LOSS_TYPE)
         slope = tl.where(valid, -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_CLIP_RATIO_C)), 0.0)
     else:
         tl.static_assert(False, "_pg_slope has no derivative for this loss type")
     return slope
+
+
+@triton.jit
+def _pg_terms(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
+    """``(pg, ratio, clipped, clipped_lower, log_ratio)`` (float64; flags bool) of the rows (``terms.FORMULAS``; C++
+    ``pg_terms``): the policy-gradient term before its weight, the ratio, verl's clip flags and the log-ratio whose
+    negative ``ppo_kl`` averages."""
+    clamp = tl.load(hp_ptr + HP_LOG_RATIO_CLAMP)
+    log_ratio = rows.clamp(d, -clamp, clamp)
+    ratio = tl.exp(log_ratio)
+    clip = rows.clamp(ratio, tl.load(hp_ptr + HP_RATIO_LOW), tl.load(hp_ptr + HP_RATIO_HIGH))
+    no = adv != adv  # False, NaN aside (a NaN advantage is NaN everywhere anyway)
+    if LOSS_TYPE == "ppo":
+        pg1 = -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_DELTA))
+        pg2 = -adv * clip
+        clip1 = tl.maximum(pg1, pg2)
+        pg3 = -adv * tl.load(hp_ptr + HP_DUAL_CLIP)
+        pg = tl.where(adv < 0, tl.minimum(clip1, pg3), clip1)
+        clipped, lower = pg2 > pg1, (clip1 > pg3) & (adv < 0)
+    elif LOSS_TYPE == "cispo":
+        pg, clipped, lower = -clip * adv * lp, ratio != clip, no
+    elif LOSS_TYPE == "clipped_ratio":
+        pg, clipped, lower = -clip * adv, ratio != clip, no
+    elif LOSS_TYPE == "sapo":
+        tau = tl.where(adv > 0, tl.load(hp_ptr + HP_TAU_POS), tl.load(hp_ptr + HP_TAU_NEG))
+        pg, clipped, lower = -(4.0 / tau) / (1.0 + tl.exp(-tau * (ratio - 1.0))) * adv, no, no
+    elif LOSS_TYPE == "gpg":
+        pg, clipped, lower = -lp * adv, no, no
+    elif LOSS_TYPE == "dppo_tv" or LOSS_TYPE == "dppo_kl":
+        valid = _dppo_valid(lp, old, adv, hp_ptr, LOSS_TYPE)
+        cap = tl.load(hp_ptr + HP_CLIP_RATIO_C)
+        pg = tl.where(valid, -adv * tl.minimum(ratio, cap) * lp, 0.0)
+        clipped, lower = ~valid, (ratio > cap) & valid
+    elif LOSS_TYPE == "dro":  # its log-ratio is not clamped
+        pg, clipped, lower = -(lp * adv - 0.5 * tl.load(hp_ptr + HP_DRO_BETA) * d * d), no, no
+        log_ratio = d
+    else:
+        tl.static_assert(False, "_pg_terms has no formula for this loss type")
+    return pg, ratio, clipped, lower, log_ratio
+
+
+@triton.jit
+def _dppo_valid(lp, old, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
+    """DPPO's trust region (verl ``dppo_tv`` / ``dppo_kl``): the divergence of ``p = exp(lp)`` from ``exp(old)``
+    within ``clip_high`` (``A > 0``) or ``clip_low`` (``A <= 0``)."""
+    clip_low = 1.0 - tl.load(hp_ptr + HP_RATIO_LOW)
+    clip_high = tl.load(hp_ptr + HP_RATIO_HIGH) - 1.0
+    p = tl.exp(lp)
+    p_old = tl.exp(old)
+    if LOSS_TYPE == "dppo_tv":
+        return tl.where(adv > 0, (p - p_old) <= clip_high, (p - p_old) >= -clip_low)
+    div = p_old * (old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    return tl.where(adv > 0, (div <= clip_high) | (p <= p_old), (div <= clip_low) | (p >= p_old))
 
 
 @triton.jit
@@ -147,25 +199,7 @@ def _row_g_logp(row, logp, ref_logp, full_kl, old_logp_ptr, adv_ptr, w_pg_ptr, w
             g_full_kl = tl.where(tl.abs(fkl) > kl_clamp, 0.0, w_kl * weight)
             g_logp += tl.where(corrected, w_kl * rows.clamp(fkl, -kl_clamp, kl_clamp) * d_ratio, 0.0)
         else:
-            dk = lp - ref_logp.to(tl.float64)
-            if ESTIMATOR == "k1":
-                value = dk
-                slope = 1.0
-            elif ESTIMATOR == "abs":
-                value = tl.abs(dk)
-                slope = tl.where(dk > 0, 1.0, tl.where(dk < 0, -1.0, 0.0))
-            elif ESTIMATOR == "k2":
-                value = 0.5 * dk * dk
-                slope = dk
-            elif ESTIMATOR == "k3":  # exp(-dk) - 1 + dk (float64: exact enough for an fp32 result without expm1)
-                slope = 1.0 - tl.exp(-dk)
-                value = dk - slope
-            else:
-                tl.static_assert(False, "_row_g_logp has no derivative for this KL estimator")
-            slope = tl.where(tl.abs(value) > kl_clamp, 0.0, slope)
-            value = rows.clamp(value, -kl_clamp, kl_clamp)
-            if STRAIGHT:  # "k3+": the value of the estimator, the gradient of k2
-                slope = dk
+            value, slope = rows.kl_estimate(lp - ref_logp.to(tl.float64), kl_clamp, ESTIMATOR, STRAIGHT)
             g_logp += w_kl * (slope * weight + tl.where(corrected, value * d_ratio, 0.0))
     return g_logp, g_full_kl
 
@@ -293,6 +327,159 @@ def _loss_forward_kernel(
         _zero_row(grad_ptr, row, vocab, BLOCK_V)
 
 
+@triton.jit
+def _terms_kernel(
+    logp_ptr, ref_logp_ptr, full_kl_ptr, entropy_ptr,  # [N] statistics (ref / full KL / entropy: None when absent)
+    target_ptr, old_logp_ptr, adv_ptr, w_pg_ptr, w_kl_ptr, w_ent_ptr, w_agg_ptr,  # [N] (old: None on-policy)
+    hp_ptr,                     # float64 hyperparameters
+    loss_ptr, kl_ptr, ratio_ptr, metrics_ptr,  # outputs: [] the loss, [N], [N], [len(LOSS_METRICS)] fp32
+    n,
+    REF_GIVEN: tl.constexpr, LOSS_TYPE: tl.constexpr, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(1,)``: the per-token terms of every row in row order (blocks of ``BLOCK``), their sums in float64 (the
+    same order every call: deterministic), the loss and the metrics (``constants.LOSS_METRICS``)."""
+    zero = tl.zeros((), tl.float64)
+    loss, pg_loss, kl_loss, entropy_loss, count, clipped, lower = zero, zero, zero, zero, zero, zero, zero
+    ppo_kl, kl_sum, entropy_sum = zero, zero, zero
+    high = zero - float("inf")
+    low = zero + float("inf")
+    nan_ratio = zero
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        scored = inside & (tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP)
+        lp = tl.load(logp_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        old = lp
+        if old_logp_ptr is not None:
+            old = tl.load(old_logp_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        adv = tl.load(adv_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        d = (lp - old).to(tl.float32).to(tl.float64)  # the fp32 difference, as the other backends
+        pg, ratio, is_clipped, is_lower, log_ratio = _pg_terms(lp, old, d, adv, hp_ptr, LOSS_TYPE)
+        kl = tl.zeros((BLOCK,), tl.float64)
+        if ESTIMATOR == "full":
+            clamp = tl.load(hp_ptr + HP_KL_CLAMP)
+            kl = rows.clamp(tl.load(full_kl_ptr + offs, mask=scored, other=0.0).to(tl.float64), -clamp, clamp)
+        elif ESTIMATOR != "":
+            ref = tl.load(ref_logp_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+            kl, _ = rows.kl_estimate(lp - ref, tl.load(hp_ptr + HP_KL_CLAMP), ESTIMATOR, STRAIGHT)
+        kl = tl.where(tl.load(hp_ptr + HP_KL_RATIO) != 0.0, kl * ratio, kl)  # TRL's bias-corrected KL
+        entropy = tl.zeros((BLOCK,), tl.float64)
+        if entropy_ptr is not None:
+            entropy = tl.load(entropy_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        w_pg = tl.load(w_pg_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        w_agg = tl.load(w_agg_ptr + offs, mask=scored, other=0.0).to(tl.float64)
+        pg_part = tl.where(scored, w_pg * pg, 0.0)
+        kl = tl.where(scored, kl, 0.0)
+        entropy = tl.where(scored, entropy, 0.0)
+        ratio = tl.where(scored, ratio, 0.0)
+        loss += tl.sum(pg_part + tl.load(w_kl_ptr + offs, mask=scored, other=0.0).to(tl.float64) * kl
+                       + tl.load(w_ent_ptr + offs, mask=scored, other=0.0).to(tl.float64) * entropy, axis=0)
+        pg_loss += tl.sum(pg_part, axis=0)
+        kl_loss += tl.sum(w_agg * kl, axis=0)
+        entropy_loss += tl.sum(w_agg * entropy, axis=0)
+        count += tl.sum(scored.to(tl.float64), axis=0)
+        clipped += tl.sum((scored & is_clipped).to(tl.float64), axis=0)
+        lower += tl.sum((scored & is_lower).to(tl.float64), axis=0)
+        ppo_kl -= tl.sum(tl.where(scored, log_ratio, 0.0), axis=0)
+        kl_sum += tl.sum(kl, axis=0)
+        entropy_sum += tl.sum(entropy, axis=0)
+        nan_ratio += tl.sum((scored & (ratio != ratio)).to(tl.float64), axis=0)
+        high = tl.maximum(high, tl.max(tl.where(scored, ratio, -float("inf")), axis=0))
+        low = tl.minimum(low, tl.min(tl.where(scored, ratio, float("inf")), axis=0))
+        tl.store(kl_ptr + offs, kl.to(tl.float32), mask=inside)
+        tl.store(ratio_ptr + offs, ratio.to(tl.float32), mask=inside)
+    denominator = tl.maximum(count, 1.0)
+    high = tl.where(count == 0, 0.0, tl.where(nan_ratio > 0, float("nan"), high))
+    low = tl.where(count == 0, 0.0, tl.where(nan_ratio > 0, float("nan"), low))
+    tl.store(loss_ptr, loss.to(tl.float32))
+    tl.store(metrics_ptr + METRIC_PG_LOSS, pg_loss.to(tl.float32))
+    tl.store(metrics_ptr + METRIC_KL_LOSS, kl_loss.to(tl.float32))
+    tl.store(metrics_ptr + METRIC_ENTROPY_LOSS, entropy_loss.to(tl.float32))
+    tl.store(metrics_ptr + METRIC_CLIPFRAC, (clipped / denominator).to(tl.float32))
+    tl.store(metrics_ptr + METRIC_CLIPFRAC_LOWER, (lower / denominator).to(tl.float32))
+    tl.store(metrics_ptr + METRIC_PPO_KL, (ppo_kl / denominator).to(tl.float32))
+    tl.store(metrics_ptr + METRIC_KL_MEAN, (kl_sum / denominator).to(tl.float32))
+    tl.store(metrics_ptr + METRIC_ENTROPY_MEAN, (entropy_sum / denominator).to(tl.float32))
+    tl.store(metrics_ptr + METRIC_RATIO_MAX, high.to(tl.float32))
+    tl.store(metrics_ptr + METRIC_RATIO_MIN, low.to(tl.float32))
+
+
+@triton.jit
+def _inputs_kernel(
+    target_ptr, cu_ptr, adv_ptr, num_tokens_ptr, num_seqs_agg_ptr, horizon_ptr,  # (the 0-dim ones None: counted)
+    out_ptr,                    # [5, N] fp32: advantage, aggregation weight, w_pg, w_kl, w_ent
+    n, num_seqs, seq_len, kl_coef, entropy_coef,
+    AGGREGATION: tl.constexpr, PER_SEQUENCE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid ``(1,)``: the positions with ``target != SKIP`` counted per sequence and in all, then every row's inputs
+    (verl's ``agg_loss`` as weights; ``kltriton.kernels.loss.weights.aggregation_weights``)."""
+    total = tl.zeros((), tl.float64)
+    nonempty = tl.zeros((), tl.float64)
+    for seq in range(0, num_seqs):
+        start, end = _sequence(seq, n, seq_len, cu_ptr)
+        count = tl.zeros((), tl.float64)
+        for lo in range(start, end, BLOCK):
+            offs = lo + tl.arange(0, BLOCK)
+            inside = offs < end
+            count += tl.sum((inside & (tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP)).to(tl.float64),
+                            axis=0)
+        total += count
+        nonempty += tl.where(count > 0, 1.0, 0.0)
+    sequences = tl.maximum(nonempty, 1.0)
+    if num_seqs_agg_ptr is not None:
+        sequences = tl.load(num_seqs_agg_ptr).to(tl.float64)
+    for seq in range(0, num_seqs):
+        start, end = _sequence(seq, n, seq_len, cu_ptr)
+        count = tl.zeros((), tl.float64)
+        if AGGREGATION == "seq-mean-token-mean":
+            for lo in range(start, end, BLOCK):
+                offs = lo + tl.arange(0, BLOCK)
+                inside = offs < end
+                count += tl.sum((inside & (tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP)).to(
+                    tl.float64), axis=0)
+        for lo in range(start, end, BLOCK):
+            offs = lo + tl.arange(0, BLOCK)
+            inside = offs < end
+            valid = tl.where(tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP, 1.0, 0.0).to(tl.float64)
+            if AGGREGATION == "token-mean":
+                if num_tokens_ptr is not None:
+                    w = valid / tl.load(num_tokens_ptr).to(tl.float64)
+                else:
+                    w = valid / tl.maximum(total, 1.0)
+            elif AGGREGATION == "token-sum":
+                w = valid
+            elif AGGREGATION == "seq-mean-token-sum":
+                w = valid / sequences
+            elif AGGREGATION == "seq-mean-token-mean":
+                w = valid / tl.maximum(count, 1.0) / sequences
+            else:
+                w = valid / sequences / tl.load(horizon_ptr).to(tl.float64)
+            w32 = w.to(tl.float32)
+            if PER_SEQUENCE:
+                adv = tl.load(adv_ptr + seq + offs * 0, mask=inside, other=0.0)
+            else:
+                adv = tl.load(adv_ptr + offs, mask=inside, other=0.0)
+            tl.store(out_ptr + offs, adv.to(tl.float32), mask=inside)
+            tl.store(out_ptr + n + offs, w32, mask=inside)
+            tl.store(out_ptr + 2 * n + offs, w32, mask=inside)
+            tl.store(out_ptr + 3 * n + offs, (w32.to(tl.float64) * kl_coef).to(tl.float32), mask=inside)
+            tl.store(out_ptr + 4 * n + offs, (w32.to(tl.float64) * -entropy_coef).to(tl.float32), mask=inside)
+
+
+@triton.jit
+def _sequence(seq, n, seq_len, cu_ptr):
+    """Sequence ``seq``'s positions ``[start, end)`` within ``[0, n)``."""
+    if cu_ptr is not None:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    else:
+        start = (seq + tl.zeros((), tl.int64)) * seq_len
+        end = start + seq_len
+    start = tl.minimum(tl.maximum(start, 0), n)
+    return start, tl.minimum(tl.maximum(end, start), n)
+
+
 def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimator: str, entropy_grad: bool,
             with_entropy: bool = True):
     """The fused kernel's Launch: the stream forward's tile (never split: one program per row) and the
@@ -348,9 +535,37 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
     return stats, grad
 
 
+def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms:
+    _check_fused(loss_type)
+    n, device = target.numel(), target.device
+    est = estimators.parse(estimator) if estimator else None
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    kl, ratio = torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device)
+    metrics = torch.empty(len(constants.LOSS_METRICS), dtype=torch.float32, device=device)
+    present = lambda t: t if t.numel() == n and n else None  # noqa: E731
+    _terms_kernel[(1,)](
+        stats.logp, reference_logp(stats, inputs), present(stats.full_kl), present(stats.entropy), target,
+        inputs.old_logp, inputs.advantages, inputs.w_pg, inputs.w_kl, inputs.w_ent,
+        inputs.w_pg if inputs.w_agg is None else inputs.w_agg, hyperparameters.to(torch.float64).contiguous(), loss,
+        kl, ratio, metrics, n, REF_GIVEN=stats.ref_logp.shape != stats.logp.shape, LOSS_TYPE=loss_type,
+        ESTIMATOR=est.base if est else "", STRAIGHT=bool(est and est.straight_through), BLOCK=TERMS_BLOCK)
+    return LossTerms(loss, kl, ratio, metrics)
+
+
+def row_inputs(target, rows_, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
+               entropy_coef):
+    n = target.numel()
+    out = torch.empty((5, n), dtype=torch.float32, device=target.device)
+    if n:
+        _inputs_kernel[(1,)](target, rows_.cu_seqlens, advantages, num_tokens, num_seqs_agg, horizon, out, n,
+                             rows_.num_seqs, max(rows_.seq_len, 1), kl_coef, entropy_coef, AGGREGATION=aggregation,
+                             PER_SEQUENCE=bool(per_sequence), BLOCK=TERMS_BLOCK)
+    return out
+
+
 def _check_fused(loss_type):
-    if loss_type not in terms.FUSED:
-        raise ValueError(f"no fused Triton kernel for loss_type {loss_type!r} (fused: {terms.FUSED})")
+    if loss_type not in formulas.FUSED:
+        raise ValueError(f"no fused Triton kernel for loss_type {loss_type!r} (fused: {formulas.FUSED})")
 
 
 def coefficients(logp, ref_logp, inputs, hyperparameters, loss_type, estimator, full_kl=None):

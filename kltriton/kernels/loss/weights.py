@@ -7,7 +7,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from kltriton.kernels.constants import AGGREGATIONS  # the one list, shared with the kernels
+
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -108,8 +109,12 @@ def default_horizon(shape, cu_seqlens, device, split=None) -> torch.Tensor:
     if len(shape) < 2 and cu_seqlens is not None and cu_seqlens.numel() > 1:
         return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64)
     length = (shape[-1] if len(shape) >= 2 else shape.numel()) if split is None else split.total
-    length = torch.ones((), dtype=torch.float64, device=device) * length
-    return length if len(shape) >= 2 else length.clamp(min=1)
+    if isinstance(length, torch.Tensor):  # a split's total learned on the device
+        length = length.to(torch.float64)
+        return length if len(shape) >= 2 else length.clamp(min=1)
+    from kltriton._inputs import runtime_scalar
+
+    return runtime_scalar(length if len(shape) >= 2 else max(length, 1), device)
 
 
 class ImportanceWeights(NamedTuple):

@@ -37,7 +37,32 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     statistics are already NaN, so the loss shows it, and the other rows train unharmed. An entry with
     ``p == 0`` (a ``-inf`` logit, or ``finfo.min`` under a large ``lse``) gets no ``p`` term even where
     ``log p`` is ``-inf``.
+
+``backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> grad``
+    ``backward`` on the basis of the upstream gradients ``upstream`` (``Upstream``), computed per row inside the
+    kernel (``statistics.gradient_basis``: no ``[N]`` ops around it). ``ref_logits`` / ``ref_lse`` are given iff
+    ``upstream.reads_ref()``.
 """
+from typing import NamedTuple, Optional
+
+import torch
+
 from kltriton.kernels.statistics import Basis, StreamStats
 
-__all__ = ["Basis", "StreamStats"]
+
+class Upstream(NamedTuple):
+    """``backward_upstream``'s gradients: ``[N]`` fp32 upstream gradients of the differentiable statistics (None: no
+    gradient) and the statistics' values their terms read (given with their gradient)."""
+    logp: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+    full_kl: Optional[torch.Tensor]
+    forward_kl: Optional[torch.Tensor]
+    entropy_value: Optional[torch.Tensor]
+    full_kl_value: Optional[torch.Tensor]
+
+    def reads_ref(self) -> bool:
+        """Whether the gradient reads the reference logits (the full KL's and the forward KL's terms)."""
+        return self.full_kl is not None or self.forward_kl is not None
+
+
+__all__ = ["Basis", "StreamStats", "Upstream"]

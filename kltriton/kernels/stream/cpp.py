@@ -29,3 +29,12 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
         _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
         ref_lse if with_ref else None, list(basis))
     return grad.view(logits.shape)
+
+
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+    cpp_library.load()
+    with_ref = upstream.reads_ref()
+    grad = torch.ops.kltriton_cpp.stream_backward_upstream(
+        _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
+        ref_lse if with_ref else None, list(upstream))
+    return grad.view(logits.shape)

@@ -8,7 +8,7 @@ import torch
 
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels.row_views import as_rows3d, num_rows
-from kltriton.kernels.statistics import StreamStats, empty_stats
+from kltriton.kernels.statistics import StreamStats, empty_stats, gradient_basis
 
 CHUNK_ELEMENTS = 1 << 19  # rows per chunk = CHUNK_ELEMENTS // V (2 MiB of fp32, 4 MiB of fp64 per temporary)
 
@@ -136,3 +136,15 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
         g.scatter_add_(1, tgt[keep][:, None], coef(basis.label))
         grad2d[rows] = g.to(grad.dtype)
     return grad
+
+
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+    # the values the basis reads (the log-prob's and the forward KL's gradients read none: lse stands in)
+    values = {"logp": lse, "lse": lse, "entropy": upstream.entropy_value, "full_kl": upstream.full_kl_value,
+              "forward_kl": lse}
+    stats = StreamStats(*(lse.new_empty(0) if values.get(name) is None else values[name] for name in StreamStats._fields))
+    grads = {"logp": upstream.logp, "entropy": upstream.entropy, "full_kl": upstream.full_kl,
+             "forward_kl": upstream.forward_kl}
+    basis = gradient_basis(grads, stats, temperature)
+    return backward(logits, ref_logits if basis.reads_ref() else None, target, temperature, lse,
+                    ref_lse if basis.reads_ref() else None, basis)

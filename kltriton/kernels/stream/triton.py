@@ -64,8 +64,21 @@ def launches(vocab: int, elem_bytes: int):
         launch = backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
         absent = [] if terms & constants.BASIS_NEEDS_REF else ["ref_ptr", "ref_lse_ptr"]
-        out.append(("_stream_backward_kernel", launch, name, absent + ["floor_ptr"]))
+        out.append(("_stream_backward_kernel", launch, name, absent + list(UPSTREAM_POINTERS) + ["floor_ptr"]))
+    # From the upstream gradients: of the log-prob (and the entropy), of the full KL, of the forward KL.
+    for gradients, terms in ((("g_logp",), 0), (("g_logp", "g_entropy", "entropy"), constants.P_LOGP),
+                             (("g_full_kl", "full_kl"), constants.P_LOGP | constants.P_LOGQ), (("g_forward_kl",), constants.Q)):
+        launch = backward_launch(vocab)
+        launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=terms))
+        absent = [] if terms & constants.BASIS_NEEDS_REF else ["ref_ptr", "ref_lse_ptr"]
+        absent += [f"{p}_ptr" for p in ("g_logp", "g_entropy", "g_full_kl", "g_forward_kl", "entropy", "full_kl")
+                   if p not in gradients]
+        out.append(("_stream_backward_kernel", launch, "bwd-" + "+".join(g for g in gradients if g.startswith("g_")),
+                    absent + ["basis_ptr", "floor_ptr"]))
     return out
+
+
+UPSTREAM_POINTERS = ("g_logp_ptr", "g_entropy_ptr", "g_full_kl_ptr", "g_forward_kl_ptr", "entropy_ptr", "full_kl_ptr")
 
 
 @triton.jit
@@ -137,7 +150,9 @@ def _stream_backward_kernel(
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     target_ptr,                 # [N] int64
     lse_ptr, ref_lse_ptr,       # [N] fp32 (ref_lse_ptr: with the p_logq or q term, else None)
-    basis_ptr,                  # [N, len(GRADIENT_BASIS)] fp32 gradient basis (/ T), absent terms not read
+    basis_ptr,                  # [N, len(GRADIENT_BASIS)] fp32 gradient basis (/ T), absent terms not read; or None:
+    g_logp_ptr, g_entropy_ptr, g_full_kl_ptr, g_forward_kl_ptr,  # [N] the upstream gradients (None: none), with
+    entropy_ptr, full_kl_ptr,   # [N] the values their terms read: the basis is the row's own (upstream_basis)
     floor_ptr,                  # [N] fp32: the policy's logits below it have no mass (a truncation), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
@@ -159,7 +174,11 @@ def _stream_backward_kernel(
             ref_lse = tl.load(ref_lse_ptr + row)
             y_row = ref_ptr + rows.row_offset(row, ref_rows_per_outer, ref_outer_stride, ref_inner_stride)
             y = tl.load(y_row + offs, mask=in_vocab, other=rows.NEG_INF).to(tl.float32)
-        basis = rows.load_basis(basis_ptr, row, TERMS)
+        if basis_ptr is not None:
+            basis = rows.load_basis(basis_ptr, row, TERMS)
+        else:
+            basis = rows.upstream_basis(row, g_logp_ptr, g_entropy_ptr, g_full_kl_ptr, g_forward_kl_ptr, entropy_ptr,
+                                        full_kl_ptr, inv_temperature)
         grad = rows.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
@@ -190,16 +209,29 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis, floor=None) -> torch.Tensor:
     """The family's backward; ``floor`` (``[N]`` fp32, the truncation family's): the policy's logits below it have no
     mass."""
+    coefficients, terms = rows.stacked_basis(basis)
+    return _backward(logits, ref_logits if basis.reads_ref() else None, target, temperature, lse, ref_lse, terms,
+                     (coefficients,) + (None,) * 6, floor)
+
+
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+    terms = rows.upstream_terms(upstream)
+    with_ref = bool(terms & constants.BASIS_NEEDS_REF)
+    return _backward(logits, ref_logits if with_ref else None, target, temperature, lse, ref_lse, terms,
+                     (None, *upstream), None)
+
+
+def _backward(logits, ref_logits, target, temperature, lse, ref_lse, terms, coefficients, floor) -> torch.Tensor:
+    """``coefficients``: the stacked basis and six Nones, or None and the ``Upstream`` tensors."""
     n, vocab = num_rows(logits), logits.shape[-1]
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if n == 0:
         return grad
-    coefficients, terms = rows.stacked_basis(basis)
-    with_ref = basis.reads_ref()
+    with_ref = ref_logits is not None
     launch = backward_launch(vocab)
     _stream_backward_kernel[(n, launch.grid_split)](
-        *rows.view_args(logits), *rows.view_args(ref_logits if with_ref else None), grad, target,
-        lse, ref_lse if with_ref else None, coefficients, floor, vocab, temperature, 1 if temperature.dim() else 0,
+        *rows.view_args(logits), *rows.view_args(ref_logits), grad, target,
+        lse, ref_lse if with_ref else None, *coefficients, floor, vocab, temperature, 1 if temperature.dim() else 0,
         TERMS=terms, **launch.constexprs, **launch.options,
     )
     return grad

@@ -60,7 +60,7 @@ def launches(vocab: int, elem_bytes: int):
         launch = stream_triton.backward_launch(vocab)
         launch = launch._replace(constexprs=dict(launch.constexprs, TERMS=constants.P_LOGP if logp_term else 0))
         out.append(("_stream_backward_kernel", launch, "trunc-bwd" + ("+plogp" if logp_term else ""),
-                    ["ref_ptr", "ref_lse_ptr"]))
+                    ["ref_ptr", "ref_lse_ptr", *stream_triton.UPSTREAM_POINTERS]))
     return out
 
 

@@ -1,0 +1,24 @@
+"""Family ``layout``: labels, mask, ``ignore_index``, ``shift_labels`` and packed segments into the per-row
+``target`` every other family reads (a label in ``[0, V)``, ``SKIP`` or ``OUT_OF_RANGE``), in one kernel, and the
+inputs' value checks recorded on the device instead of read on the host.
+
+Backends: ``reference.py`` (PyTorch ops; also the context-parallel shift across ranks), ``cpp.py`` (CPU), ``triton.py``
+(CUDA, or CPU under ``TRITON_INTERPRET=1``). Each provides:
+
+``target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags) -> target``
+    labels2d:    ``[R, C]`` integer tensor (any integer dtype, any strides): the labels of the logits' leading shape
+                 viewed as rows of sequences (``[B, T]``; ``[1, N]`` for flat or packed positions).
+    mask2d:      ``None`` or a bool / integer ``[R, C]`` tensor (any strides): 0 = not scored.
+    cu_seqlens:  ``None`` or int32 / int64 ``[num_seqs + 1]`` offsets of packed segments (``R == 1``).
+    temperature: ``None`` or a float64 tensor, 0-dim or ``[N]``: only checked (``> 0`` and finite).
+    shift:       position ``n`` is scored on the label and mask of ``n + 1`` of the same sequence (the next column;
+                 with ``cu_seqlens``, the next position unless ``n`` ends its segment); the last position of each
+                 sequence is ``SKIP``.
+    flags:       ``None`` (no checks) or the device's int64 flag vector (``constants.FLAG_SLOTS``): the kernel ORs
+                 the ``constants.BAD_*`` bits of what it finds (a scored label outside ``[0, vocab)``, malformed
+                 ``cu_seqlens``, a temperature that is not ``> 0`` and finite) and stores a bad label and
+                 ``cu_seqlens``' ends.
+    Returns ``target [N]`` int64, ``N = R * C``: ``SKIP`` where the label is ``ignore_index`` or masked (or the
+    shift has no next position), ``OUT_OF_RANGE`` where a scored label lies outside ``[0, vocab)``, else the label.
+    Nothing is ever read out of bounds, whatever the values.
+"""

@@ -1,0 +1,83 @@
+"""The layout pass as a custom op: ``kltriton::target`` turns the label-side inputs into the per-row target (the
+``layout`` family, ``kltriton.kernels.layout``), checking their values into the device's flag vector
+(``flag_vector``) when asked; ``check_inputs`` raises what the flags hold."""
+from typing import Optional
+
+import torch
+
+from kltriton import dispatch
+from kltriton.kernels import constants
+from kltriton.ops._define import BOOL, INT, OPTIONAL, STR, TENSOR, define_op
+
+
+_FLAGS = {}  # device -> int64 [len(FLAG_SLOTS)]: what the layout kernels found wrong since the last check
+
+
+def flag_vector(device) -> torch.Tensor:
+    """The device's flag vector (``constants.FLAG_SLOTS``), made at its first use: the layout kernels OR into it what
+    they find wrong (``constants.BAD_*`` bits), so that no call reads a value on the host."""
+    device = torch.device(device)
+    flags = _FLAGS.get(device)
+    if flags is None:
+        flags = _FLAGS[device] = torch.zeros(len(constants.FLAG_SLOTS), dtype=torch.int64, device=device)
+    return flags
+
+
+def raise_flagged(device, context: Optional[dict] = None) -> None:
+    """Raise the ``ValueError`` of what the device's flag vector holds, and clear it (a host read: on a device, a
+    synchronization). ``context``: the call's ``vocab``, ``ignore_index``, ``n`` and ``spans`` for the message (None:
+    a call since the last check, whose context is gone)."""
+    flags = _FLAGS.get(torch.device(device))
+    if flags is None:
+        return
+    values = dict(zip(constants.FLAG_SLOTS, flags.tolist() if flags.is_cuda else flags.numpy().tolist()))
+    if not values["bits"]:
+        return
+    flags.zero_()
+    raise ValueError(_flag_message(values, context, device))
+
+
+def _flag_message(values, context, device) -> str:
+    bits = values["bits"]
+    earlier = "" if context is not None else f" (in a call on {device} since the last kltriton.check_inputs())"
+    if bits & constants.BAD_TEMPERATURE:
+        return f"temperature must be > 0 and finite everywhere{earlier}"
+    if bits & constants.BAD_CU_SEQLENS_ENDS:
+        n = f"N={context['n']}" if context else "N"
+        where = " (every rank's packed tokens: the offsets are global under a sequence_group)" if context and \
+            context.get("split") else ""
+        return (f"cu_seqlens must start at 0 and end at {n}{where}, got {values['cu_first']} ... "
+                f"{values['cu_last']}{earlier}")
+    if bits & constants.BAD_CU_SEQLENS_ORDER:
+        return f"cu_seqlens must be non-decreasing{earlier}"
+    if context is None:
+        return (f"labels must lie in [0, V) or equal ignore_index; found {values['label']}{earlier} (the position "
+                f"gave NaN)")
+    spans = context.get("spans")
+    where = f", the vocabulary the ranks' shards cover ({spans})" if spans else ""
+    return (f"labels must lie in [0, V={context['vocab']}){where} or equal ignore_index={context['ignore_index']}; "
+            f"found {values['label']}")
+
+
+def check_inputs() -> None:
+    """Raise the ``ValueError`` of a bad input value (a label outside ``[0, V)`` that is not ``ignore_index``, a
+    malformed ``cu_seqlens``, a temperature that is not ``> 0`` and finite) that a kltriton kernel found on a device
+    since the last check, and clear the record. It reads each device's flag vector: a synchronization, so call it
+    where the training loop synchronizes anyway (after ``loss.item()``, at logging). On CPU every call raises at
+    once and there is nothing left to raise here."""
+    for device in list(_FLAGS):
+        raise_flagged(device)
+
+
+def _launch(args):
+    flags = flag_vector(args.labels.device) if args.check else None
+    return dispatch.implementation("layout", args.backend).target(
+        args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab, args.shift, flags)
+
+
+target = define_op(
+    "target",
+    inputs=(("labels", TENSOR), ("mask", OPTIONAL), ("cu_seqlens", OPTIONAL), ("temperature", OPTIONAL),
+            ("ignore_index", INT), ("vocab", INT), ("shift", BOOL), ("check", BOOL), ("backend", STR)),
+    outputs=("target",), launch=_launch,
+    fake=lambda args: args.labels.new_empty(args.labels.numel(), dtype=torch.int64))
