@@ -95,6 +95,70 @@ void fill_target(const at::Tensor& labels2d, const std::optional<at::Tensor>& ma
   }
 }
 
+enum Aggregation : int { kTokenMean, kTokenSum, kSeqMeanTokenSum, kSeqMeanTokenMean, kSeqMeanTokenSumNorm };
+
+double scalar_of(const std::optional<at::Tensor>& t) {
+  return t->to(at::kDouble).item<double>();  // a CPU tensor: host memory, no device sync
+}
+
+// [5, N] float32 from the targets: each row's advantage (a per-sequence one broadcast; 0 without), its aggregation
+// weight (verl's agg_loss(x) = sum_n w_n x_n over the positions with target != SKIP, the sequences being the rows of
+// [R, C] or the packed segments), and the weights of a loss's policy, KL and entropy terms (that weight times 1,
+// kl_coef and -entropy_coef).
+at::Tensor row_weights(const int64_t* tgt, int64_t N, int64_t num_seqs, int64_t seq_len, const int64_t* cu,
+                       int64_t aggregation, const std::optional<at::Tensor>& num_tokens,
+                       const std::optional<at::Tensor>& num_seqs_agg, const std::optional<at::Tensor>& horizon,
+                       const std::optional<at::Tensor>& advantages, bool per_seq, double kl_coef, double entropy_coef,
+                       const at::TensorOptions& options) {
+  at::Tensor adv_keep;
+  const float* adv = nullptr;
+  if (advantages.has_value()) {
+    TORCH_CHECK(advantages->numel() == (per_seq ? num_seqs : N), "kltriton_cpp: advantages has ",
+                advantages->numel(), " entries, expected ", per_seq ? num_seqs : N);
+    adv_keep = advantages->to(at::kFloat).contiguous();
+    adv = adv_keep.data_ptr<float>();
+  }
+  // each position's sequence, and the positions with target != SKIP counted per sequence
+  std::vector<int64_t> seq(N, 0);
+  std::vector<double> count(std::max<int64_t>(num_seqs, 1), 0.0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    int64_t start = cu ? cu[s] : s * seq_len, end = cu ? cu[s + 1] : (s + 1) * seq_len;
+    start = std::min(std::max<int64_t>(start, 0), N);
+    end = std::min(std::max(end, start), N);
+    for (int64_t n = start; n < end; ++n) {
+      seq[n] = s;
+      count[s] += tgt[n] != kSkip ? 1.0 : 0.0;
+    }
+  }
+  double total = 0.0, nonempty = 0.0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    total += count[s];
+    nonempty += count[s] > 0 ? 1.0 : 0.0;
+  }
+  const double sequences = num_seqs_agg.has_value() ? scalar_of(num_seqs_agg) : std::max(nonempty, 1.0);
+  at::Tensor out = at::empty({5, N}, options.dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const double valid = tgt[n] != kSkip ? 1.0 : 0.0;
+    double w = valid;
+    switch (aggregation) {
+      case kTokenSum: break;
+      case kTokenMean: w = valid / (num_tokens.has_value() ? scalar_of(num_tokens) : std::max(total, 1.0)); break;
+      case kSeqMeanTokenSum: w = valid / sequences; break;
+      case kSeqMeanTokenMean: w = valid / std::max(count[seq[n]], 1.0) / sequences; break;
+      case kSeqMeanTokenSumNorm: w = valid / sequences / scalar_of(horizon); break;
+      default: TORCH_CHECK(false, "kltriton_cpp: unknown aggregation ", aggregation);
+    }
+    const float wf = static_cast<float>(w);
+    o[n] = adv == nullptr ? 0.f : adv[per_seq ? seq[n] : n];
+    o[N + n] = wf;
+    o[2 * N + n] = wf;
+    o[3 * N + n] = static_cast<float>(static_cast<double>(wf) * kl_coef);
+    o[4 * N + n] = static_cast<float>(static_cast<double>(wf) * -entropy_coef);
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor layout_target(const at::Tensor& labels2d, const std::optional<at::Tensor>& mask2d,
@@ -128,8 +192,34 @@ at::Tensor layout_target(const at::Tensor& labels2d, const std::optional<at::Ten
   return target;
 }
 
+// layout_target and, from its targets, row_weights: the label side of a loss in one op.
+std::vector<at::Tensor> layout_weights(const at::Tensor& labels2d, const std::optional<at::Tensor>& mask2d,
+                                       const std::optional<at::Tensor>& cu_seqlens,
+                                       const std::optional<at::Tensor>& temperature, int64_t ignore_index,
+                                       int64_t vocab, bool shift, const std::optional<at::Tensor>& flags,
+                                       int64_t aggregation, const std::optional<at::Tensor>& num_tokens,
+                                       const std::optional<at::Tensor>& num_seqs_agg,
+                                       const std::optional<at::Tensor>& horizon,
+                                       const std::optional<at::Tensor>& advantages, bool per_sequence, double kl_coef,
+                                       double entropy_coef) {
+  at::Tensor target = layout_target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags);
+  const int64_t N = target.numel();
+  at::Tensor keep_cu;
+  const int64_t* cu = nullptr;
+  int64_t num_seqs = labels2d.size(0);
+  if (cu_seqlens.has_value()) {
+    keep_cu = cu_seqlens->to(at::kLong).contiguous();
+    cu = keep_cu.data_ptr<int64_t>();
+    num_seqs = keep_cu.numel() - 1;
+  }
+  return {target, row_weights(target.data_ptr<int64_t>(), N, num_seqs, labels2d.size(1), cu, aggregation, num_tokens,
+                              num_seqs_agg, horizon, advantages, per_sequence, kl_coef, entropy_coef,
+                              labels2d.options())};
+}
+
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("layout_target", &kltriton_cpp::layout_target);
+  m.impl("layout_weights", &kltriton_cpp::layout_weights);
 }

@@ -13,11 +13,12 @@
 namespace kltriton_cpp {
 
 // The formulas with a fused kernel, named as in kltriton/kernels/loss/terms.py (FUSED), and the KL estimators.
-enum LossType : int { kPpo, kCispo, kSapo, kGpg, kDppoTv, kDppoKl, kDro, kClippedRatio };
+enum LossType : int { kKlOnly, kPpo, kCispo, kSapo, kGpg, kDppoTv, kDppoKl, kDro, kClippedRatio };
 enum KlEstimator : int { kNoKl, kK1, kAbs, kK2, kK3, kFull };
 
 inline LossType loss_type_of(const std::string& name) {
-  static const char* const names[] = {"ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio"};
+  static const char* const names[] = {"kl_only", "ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro",
+                                      "clipped_ratio"};
   for (int i = 0; i <= kClippedRatio; ++i) {
     if (name == names[i]) return static_cast<LossType>(i);
   }
@@ -112,6 +113,8 @@ inline double pg_slope(const LossParams& P, double lp, double old, double d, dou
   const Ratio r(P, d);
   const double ratio = r.value;
   switch (P.loss_type) {
+    case kKlOnly:  // no policy-gradient term
+      return 0.0;
     case kPpo: {  // max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
       const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * std::min(std::max(ratio, P.ratio_low), P.ratio_high);
       double g_ratio = pg1 >= pg2 ? (ratio <= P.delta ? -A : 0.0)
@@ -154,6 +157,8 @@ inline PgTerms pg_terms(const LossParams& P, double lp, double old, double d, do
   const double ratio = std::exp(log_ratio);
   const double clip = std::min(std::max(ratio, P.ratio_low), P.ratio_high);
   switch (P.loss_type) {
+    case kKlOnly:  // no policy-gradient term, the ratio 1
+      return {0.0, 1.0, false, false, 0.0};
     case kPpo: {  // max(-A min(r, delta), -A clip(r)), at most -A dual_clip for A < 0
       const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * clip, clip1 = std::max(pg1, pg2);
       const double pg3 = -A * P.dual_clip;

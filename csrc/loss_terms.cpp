@@ -1,14 +1,11 @@
-// The loss family's [N] ops on the CPU (kltriton/kernels/loss/): loss_inputs, the per-row weights a fused loss kernel
-// needs before it writes the gradient (verl's agg_loss as weights, times the terms' coefficients); loss_terms, after
-// the kernel, the per-token terms, the loss and its metrics from the rows' statistics, summed in row order.
+// The loss family's [N] op on the CPU (kltriton/kernels/loss/): loss_terms, after the fused kernel, the per-token
+// terms, the loss and its metrics from the rows' statistics, summed in row order.
 #include <torch/library.h>
 
 #include "loss_coefficients.h"
 
 namespace kltriton_cpp {
 namespace {
-
-enum Aggregation : int { kTokenMean, kTokenSum, kSeqMeanTokenSum, kSeqMeanTokenMean, kSeqMeanTokenSumNorm };
 
 const float* floats_of(const std::optional<at::Tensor>& t, int64_t n, const char* name, std::vector<at::Tensor>& keep) {
   if (!t.has_value()) return nullptr;
@@ -17,71 +14,7 @@ const float* floats_of(const std::optional<at::Tensor>& t, int64_t n, const char
   return keep.back().data_ptr<float>();
 }
 
-double scalar_of(const std::optional<at::Tensor>& t) {
-  return t->to(at::kDouble).item<double>();  // a CPU tensor: host memory, no device sync
-}
-
 }  // namespace
-
-// [5, N] float32: each row's advantage (a per-sequence one broadcast), its aggregation weight (agg_loss(x) =
-// sum_n w_n x_n over the positions with target != SKIP), and the policy, KL and entropy terms' weights (the
-// aggregation weight times 1, kl_coef and -entropy_coef).
-at::Tensor loss_inputs(const at::Tensor& target, int64_t num_seqs, int64_t seq_len,
-                       const std::optional<at::Tensor>& cu_seqlens, int64_t aggregation,
-                       const std::optional<at::Tensor>& num_tokens, const std::optional<at::Tensor>& num_seqs_agg,
-                       const std::optional<at::Tensor>& horizon, const at::Tensor& advantages, bool per_seq,
-                       double kl_coef, double entropy_coef) {
-  const int64_t N = target.numel();
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous(), "kltriton_cpp: target must be int64");
-  const int64_t* tgt = target.data_ptr<int64_t>();
-  std::vector<at::Tensor> keep;
-  const float* adv = floats_of(advantages, per_seq ? num_seqs : N, "advantages", keep);
-  at::Tensor keep_cu;
-  const int64_t* cu = nullptr;
-  if (cu_seqlens.has_value()) {
-    keep_cu = cu_seqlens->to(at::kLong).contiguous();
-    cu = keep_cu.data_ptr<int64_t>();
-  }
-  // each position's sequence, and the positions with target != SKIP counted per sequence
-  std::vector<int64_t> seq(N, 0);
-  std::vector<double> count(std::max<int64_t>(num_seqs, 1), 0.0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    int64_t start = cu ? cu[s] : s * seq_len, end = cu ? cu[s + 1] : (s + 1) * seq_len;
-    start = std::min(std::max<int64_t>(start, 0), N);
-    end = std::min(std::max(end, start), N);
-    for (int64_t n = start; n < end; ++n) {
-      seq[n] = s;
-      count[s] += tgt[n] != kSkip ? 1.0 : 0.0;
-    }
-  }
-  double total = 0.0, nonempty = 0.0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    total += count[s];
-    nonempty += count[s] > 0 ? 1.0 : 0.0;
-  }
-  const double sequences = num_seqs_agg.has_value() ? scalar_of(num_seqs_agg) : std::max(nonempty, 1.0);
-  at::Tensor out = at::empty({5, N}, target.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const double valid = tgt[n] != kSkip ? 1.0 : 0.0;
-    double w = valid;
-    switch (aggregation) {
-      case kTokenSum: break;
-      case kTokenMean: w = valid / (num_tokens.has_value() ? scalar_of(num_tokens) : std::max(total, 1.0)); break;
-      case kSeqMeanTokenSum: w = valid / sequences; break;
-      case kSeqMeanTokenMean: w = valid / std::max(count[seq[n]], 1.0) / sequences; break;
-      case kSeqMeanTokenSumNorm: w = valid / sequences / scalar_of(horizon); break;
-      default: TORCH_CHECK(false, "kltriton_cpp: unknown aggregation ", aggregation);
-    }
-    const float wf = static_cast<float>(w);
-    o[n] = adv[per_seq ? seq[n] : n];
-    o[N + n] = wf;
-    o[2 * N + n] = wf;
-    o[3 * N + n] = static_cast<float>(static_cast<double>(wf) * kl_coef);
-    o[4 * N + n] = static_cast<float>(static_cast<double>(wf) * -entropy_coef);
-  }
-  return out;
-}
 
 // The per-token terms of a fused loss (kltriton/kernels/loss/terms.py token_terms) from the rows' statistics and
 // inputs, the loss sum(w_pg pg + w_kl kl + w_ent entropy) and the metrics (constants.py LOSS_METRICS), summed in row
@@ -170,6 +103,5 @@ std::vector<at::Tensor> loss_terms(const at::Tensor& logp, const std::optional<a
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
-  m.impl("loss_inputs", &kltriton_cpp::loss_inputs);
   m.impl("loss_terms", &kltriton_cpp::loss_terms);
 }

@@ -24,9 +24,9 @@ std::string build_info() {
 
 TORCH_LIBRARY(kltriton_cpp, m) {
   m.def(
-      "loss_inputs(Tensor target, int num_seqs, int seq_len, Tensor? cu_seqlens, int aggregation, Tensor? num_tokens, "
-      "Tensor? num_seqs_agg, Tensor? horizon, Tensor advantages, bool per_sequence, float kl_coef, "
-      "float entropy_coef) -> Tensor");
+      "layout_weights(Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, Tensor? temperature, int ignore_index, "
+      "int vocab, bool shift, Tensor(a!)? flags, int aggregation, Tensor? num_tokens, Tensor? num_seqs_agg, "
+      "Tensor? horizon, Tensor? advantages, bool per_sequence, float kl_coef, float entropy_coef) -> Tensor[]");
   m.def(
       "loss_terms(Tensor logp, Tensor? ref_logp, bool ref_given, Tensor? full_kl, Tensor? entropy, Tensor target, "
       "Tensor? old_logp, Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor w_agg, "
@@ -95,7 +95,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
 // autograd key fall through so outputs are plain tensors even when logits require grad.
 TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
-  m.impl("loss_inputs", torch::CppFunction::makeFallthrough());
+  m.impl("layout_weights", torch::CppFunction::makeFallthrough());
   m.impl("loss_terms", torch::CppFunction::makeFallthrough());
   m.impl("kl_reward", torch::CppFunction::makeFallthrough());
   m.impl("kl_reward_backward", torch::CppFunction::makeFallthrough());

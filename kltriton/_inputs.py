@@ -5,7 +5,6 @@ Everything here is ``O(N)`` work on the label side. It turns ``labels`` / ``mask
 ``kltriton.kernels``) so the kernels only ever see ``[N, V]`` rows and a label per row.
 """
 import collections
-import functools
 import math
 from typing import Optional
 
@@ -236,34 +235,68 @@ def _rows2d(tensor):
 
 
 class Layout:
-    """The label side of a call, normalized: the per-row ``target`` and what the sequence-level code needs, the
-    positions' sequences and places made only when asked for (a few ``[N]`` ops)."""
+    """The label side of a call, normalized: the per-row ``target`` (made by the ``layout`` op when first read, or
+    with a loss's per-row inputs by ``weighted``), and what the sequence-level code needs, the positions' sequences
+    and places, made only when asked for (a few ``[N]`` ops). (Plain attributes, not ``functools.cached_property``,
+    whose lock ``torch.compile`` cannot trace.)"""
 
-    def __init__(self, target, shape, num_seqs, cu_seqlens=None, split=None):
-        self.target = target          # [N] int64: label, SKIP (not scored) or OUT_OF_RANGE
+    def __init__(self, shape, num_seqs, cu_seqlens=None, split=None, source=None, target=None):
         self.shape = shape            # S, the leading shape of the logits (shape of every output)
         self.num_seqs = num_seqs      # rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
         self.cu_seqlens = cu_seqlens  # the packed offsets (global under a split), or None
         self.split = split            # this rank's parallel.SequenceSplit, or None
+        self._source = source         # the layout op's arguments and the checks' context (None: target is given)
+        self._target, self._position, self._seq_index = target, None, None
 
-    @functools.cached_property
+    @property
+    def target(self) -> torch.Tensor:
+        """``[N]`` int64: label, ``SKIP`` (not scored) or ``OUT_OF_RANGE``."""
+        if self._target is None:
+            args, context = self._source
+            self._target = layout_ops.target(*args)
+            _raise_now(context)
+        return self._target
+
+    def weighted(self, weights) -> torch.Tensor:
+        """A loss's per-row inputs (``kltriton.kernels.layout.RowWeights``: ``[5, N]`` fp32 advantages, aggregation
+        weights, ``w_pg``, ``w_kl``, ``w_ent``), made with the target in one op: before the target is read."""
+        if self._target is not None:
+            raise RuntimeError("Layout.weighted: the target is made already; ask for the weights first")
+        args, context = self._source
+        self._target, prepared = layout_ops.target_weights(*args[:-1], weights, args[-1])
+        _raise_now(context)
+        return prepared
+
+    @property
     def position(self) -> torch.Tensor:
         """``[N]`` int64: each position's place along its sequence's axis (``T`` of ``[B, T]``, or the packed
         stream), global under a sequence split."""
-        n, device = self.target.numel(), self.target.device
-        start = 0 if self.split is None else self.split.start
-        flat = torch.arange(n, device=device)
-        return start + (flat % max(self.shape[-1], 1) if len(self.shape) >= 2 else flat)
+        if self._position is None:
+            n, device = self.target.numel(), self.target.device
+            start = 0 if self.split is None else self.split.start
+            flat = torch.arange(n, device=device)
+            self._position = start + (flat % max(self.shape[-1], 1) if len(self.shape) >= 2 else flat)
+        return self._position
 
-    @functools.cached_property
+    @property
     def seq_index(self) -> torch.Tensor:
         """``[N]`` int64: each position's sequence."""
-        n, device = self.target.numel(), self.target.device
-        if len(self.shape) >= 2:
-            return torch.arange(n, device=device) // max(self.shape[-1], 1)
-        if self.cu_seqlens is not None:
-            return torch.searchsorted(self.cu_seqlens[1:].long().contiguous(), self.position, right=True)
-        return torch.zeros(n, dtype=torch.long, device=device)
+        if self._seq_index is None:
+            n, device = self.target.numel(), self.target.device
+            if len(self.shape) >= 2:
+                self._seq_index = torch.arange(n, device=device) // max(self.shape[-1], 1)
+            elif self.cu_seqlens is not None:
+                self._seq_index = torch.searchsorted(self.cu_seqlens[1:].long().contiguous(), self.position,
+                                                     right=True)
+            else:
+                self._seq_index = torch.zeros(n, dtype=torch.long, device=device)
+        return self._seq_index
+
+
+def _raise_now(context) -> None:
+    """After a layout op: raise what its checks found where the values are on the host (``host_checks``)."""
+    if context is not None:
+        raise_flagged(context["device"], context)
 
 
 def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels, temperature=None,
@@ -299,19 +332,19 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     else:
         num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     check = _VALIDATE is not False and not torch.compiler.is_compiling()
+    context = {"device": device, "vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
+               "split": split is not None} if check and host_checks(device) else None
     if split is None:
         name = dispatch.resolve(backend, "layout", device.type, False)
-        target = layout_ops.target(_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens,
-                                   temperature, ignore_index, vocab, bool(shift_labels), check, name)
-    else:
-        following, ends = (None, None), None
-        if shift_labels:
-            following = _from_next_slice(labels, mask, split, ignore_index)
-            if cu_seqlens is not None and labels.numel():
-                ends = _split_sequence_ends(cu_seqlens, labels.numel(), split)
-        target = layout_reference.target(labels, mask, None, temperature, ignore_index, vocab, bool(shift_labels),
-                                  flag_vector(device) if check else None, following, ends)
-    if check and host_checks(device):
-        raise_flagged(device, {"vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
-                               "split": split is not None})
-    return Layout(target, shape, num_seqs, cu_seqlens, split)
+        args = (_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens, temperature, ignore_index, vocab,
+                bool(shift_labels), check, name)
+        return Layout(shape, num_seqs, cu_seqlens, split, source=(args, context))
+    following, ends = (None, None), None
+    if shift_labels:
+        following = _from_next_slice(labels, mask, split, ignore_index)
+        if cu_seqlens is not None and labels.numel():
+            ends = _split_sequence_ends(cu_seqlens, labels.numel(), split)
+    target = layout_reference.target(labels, mask, None, temperature, ignore_index, vocab, bool(shift_labels),
+                                     flag_vector(device) if check else None, following, ends)
+    _raise_now(context)
+    return Layout(shape, num_seqs, cu_seqlens, split, target=target)

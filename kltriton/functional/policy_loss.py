@@ -18,11 +18,10 @@ import torch
 from kltriton import estimators, route
 from kltriton._inputs import check_float, runtime_scalar
 from kltriton.front_door import Call, check_group, enter, local_rows
-from kltriton.functional.token_kl import rows_of
 from kltriton.kernels import SKIP, accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import LossInputs, terms, weights
 from kltriton.kernels.loss.weights import AGGREGATIONS, IS_MODES, Sequences
-from kltriton.ops import loss as loss_ops
+from kltriton.kernels.layout import RowWeights
 
 IS_LEVELS = ("token", "sequence")
 
@@ -338,16 +337,16 @@ def _sequences_of(call: Call) -> Sequences:
 
 def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _Denominators) -> "PolicyLossOutput":
     """The fused route of the common call (token-level ratio, one aggregation for every term, no rollout importance
-    sampling, entropy mask or sequence group) as the loss family's kernels: the rows' inputs (one kernel), the loss
-    with its gradient (one), its per-token terms and metrics (one): no ``[N]`` ops around them."""
+    sampling, entropy mask or sequence group) as kernels alone: the targets with the rows' inputs (the layout op),
+    the loss with its gradient and its per-token terms and metrics (the loss op: the fused kernel and the ``terms``
+    kernel); no ``[N]`` ops around them."""
     layout = call.layout
     adv, per_sequence = _checked("advantages", advantages, call, per_sequence=True)
     if adv is None:
         raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
     old, _ = _checked("old_logprobs", old_logprobs, call)
-    name = route.backend(call, "loss")
-    prepared = loss_ops.row_inputs(layout.target, rows_of(call), loss.settings.aggregation, *denominators, adv,
-                                   per_sequence, loss.kl_coef, loss.entropy_coef, name)
+    prepared = layout.weighted(RowWeights(loss.settings.aggregation, *denominators, adv, per_sequence, loss.kl_coef,
+                                          loss.entropy_coef))
     adv_rows, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
     inputs = LossInputs(old, adv_rows, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
     value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,

@@ -15,12 +15,16 @@ from kltriton import route
 from kltriton._inputs import check_float, host_checks, runtime_scalar
 from kltriton.front_door import enter
 from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
+from kltriton.kernels.layout import RowWeights
+from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.loss.weights import Sequences
 from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TAILS = ("bucket", "renormalize", "none")
 REDUCTIONS = ("none", "batchmean", "sum", "mean")
+# The fused loss kernel's hyperparameters for the full KL alone: no clamp, no ratio (python floats: a cached vector).
+_KL_ONLY = dict(log_ratio_clamp=float("inf"), kl_clamp=float("inf"), kl_ratio=0.0)
 
 
 def _check_choice(name, value, choices):
@@ -37,6 +41,20 @@ def _weights(reduction, scored, vocab, dtype, sequences: Sequences):
         return valid
     count = sequences.total(valid).clamp(min=1)
     return valid / count if reduction == "batchmean" else valid / (count * vocab)
+
+
+def _reverse_kl_loss(call, reduction, return_entropy):
+    """The reverse KL's reduced loss as the loss family's fused kernel (a loss of the full-KL term alone: the
+    ``"kl_only"`` formula): the targets with their weights (the layout op), then the statistics, the loss and the
+    student's gradient in one pass per row and the ``terms`` kernel's sum; no ``[N]`` ops around them."""
+    prepared = call.layout.weighted(RowWeights("token-sum" if reduction == "sum" else "token-mean", None, None, None,
+                                               None, False, 1.0 / call.vocab if reduction == "mean" else 1.0, 0.0))
+    adv, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
+    inputs = LossInputs(None, adv, w_pg, w_kl, w_ent, None, w_agg)
+    hyperparameters = terms.hyperparameters(call.device, **_KL_ONLY)
+    loss, stats, _, _ = route.fused_loss(call, inputs, hyperparameters, "kl_only", "full", False,
+                                         with_entropy=return_entropy)
+    return (loss, stats.entropy.view(call.layout.shape)) if return_entropy else loss
 
 
 # --- a top-k teacher: [N, K] work -------------------------------------------------------------------------------
@@ -187,6 +205,9 @@ def token_divergence(
     kind = divergence
     if divergence == "jsd" and beta in (0.0, 1.0):  # TRL's beta = 0 / 1: exactly the forward / reverse KL
         kind = "forward_kl" if beta == 0.0 else "reverse_kl"
+    if (kind == "reverse_kl" and reduction != "none" and call.topk is None and call.sequence_group is None
+            and route.divergence_route(call, reduction) == "fused" and route.loss_route(call, "kl_only", False) == "fused"):
+        return _reverse_kl_loss(call, reduction, return_entropy)
     target, shape = call.layout.target, call.layout.shape
     scored = target != SKIP
     acc = accumulation_dtype(call.dtype)

@@ -7,7 +7,8 @@ import torch
 
 from kltriton import dispatch
 from kltriton.kernels import constants
-from kltriton.ops._define import BOOL, INT, OPTIONAL, STR, TENSOR, define_op
+from kltriton.kernels.layout import RowWeights
+from kltriton.ops._define import BOOL, FLOAT, INT, OPTIONAL, STR, TENSOR, Group, define_op
 
 
 _FLAGS = {}  # device -> int64 [len(FLAG_SLOTS)]: what the layout kernels found wrong since the last check
@@ -75,9 +76,25 @@ def _launch(args):
         args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab, args.shift, flags)
 
 
+def _launch_weights(args):
+    flags = flag_vector(args.labels.device) if args.check else None
+    return dispatch.implementation("layout", args.backend).target_weights(
+        args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab, args.shift, flags,
+        args.weights)
+
+
+_INPUTS = (("labels", TENSOR), ("mask", OPTIONAL), ("cu_seqlens", OPTIONAL), ("temperature", OPTIONAL),
+           ("ignore_index", INT), ("vocab", INT), ("shift", BOOL), ("check", BOOL))
+ROW_WEIGHTS = Group(RowWeights, (STR, OPTIONAL, OPTIONAL, OPTIONAL, OPTIONAL, BOOL, FLOAT, FLOAT))
+
+target_weights = define_op(
+    "target_weights", inputs=(*_INPUTS, ("weights", ROW_WEIGHTS), ("backend", STR)), outputs=("target", "prepared"),
+    launch=_launch_weights,
+    fake=lambda args: (args.labels.new_empty(args.labels.numel(), dtype=torch.int64),
+                       args.labels.new_empty((5, args.labels.numel()), dtype=torch.float32)))
+
 target = define_op(
     "target",
-    inputs=(("labels", TENSOR), ("mask", OPTIONAL), ("cu_seqlens", OPTIONAL), ("temperature", OPTIONAL),
-            ("ignore_index", INT), ("vocab", INT), ("shift", BOOL), ("check", BOOL), ("backend", STR)),
+    inputs=(*_INPUTS, ("backend", STR)),
     outputs=("target",), launch=_launch,
     fake=lambda args: args.labels.new_empty(args.labels.numel(), dtype=torch.int64))

@@ -12,8 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import masked, statistics_request
-from kltriton.ops._define import BOOL, FLOAT, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
-from kltriton.ops.epilogue import ROWS
+from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
 from kltriton.ops.statistics import empty_gradients
 
 
@@ -113,16 +112,3 @@ loss = define_op(
     fake=_forward_fake, save=("policy", "backend", "d_x", "d_weight", "d_bias"),
     backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False,
     grad_outputs=("loss",))
-
-
-row_inputs = define_op(
-    "loss_row_inputs",
-    inputs=(("target", TENSOR), ("rows", ROWS), ("aggregation", STR), ("num_tokens", OPTIONAL), ("num_seqs_agg", OPTIONAL),
-            ("horizon", OPTIONAL), ("advantages", TENSOR), ("per_sequence", BOOL), ("kl_coef", FLOAT),
-            ("entropy_coef", FLOAT), ("backend", STR)),
-    outputs=("inputs",),
-    launch=lambda args: dispatch.implementation("loss", args.backend).row_inputs(
-        args.target, args.rows, args.aggregation, args.num_tokens, args.num_seqs_agg, args.horizon,
-        args.advantages.detach(), args.per_sequence, args.kl_coef, args.entropy_coef),
-    fake=lambda args: args.advantages.new_empty((5, args.target.shape[0]),
-                                                dtype=accumulation_dtype(args.advantages.dtype)))

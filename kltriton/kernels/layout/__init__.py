@@ -21,4 +21,29 @@ Backends: ``reference.py`` (PyTorch ops; also the context-parallel shift across 
     Returns ``target [N]`` int64, ``N = R * C``: ``SKIP`` where the label is ``ignore_index`` or masked (or the
     shift has no next position), ``OUT_OF_RANGE`` where a scored label lies outside ``[0, vocab)``, else the label.
     Nothing is ever read out of bounds, whatever the values.
+
+``target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights) ->
+(target, prepared)``
+    ``target`` and, from it, the per-row inputs of a loss (one kernel): ``prepared [5, N]`` fp32 holds each row's
+    advantage (``weights.advantages``, ``[N]`` or ``[num_seqs]`` broadcast over its sequence with ``per_sequence``;
+    0 when None), its aggregation weight (verl's ``agg_loss`` of ``weights.aggregation``, one of
+    ``constants.AGGREGATIONS``, as weights over the positions with ``target != SKIP``; the sequences are the rows of
+    ``labels2d`` or the packed segments; ``num_tokens`` / ``num_seqs_agg`` given 0-dim denominators or None: counted,
+    ``num_seqs_agg`` then the sequences with a scored position, at least 1; ``horizon`` 0-dim), and the weights of a
+    loss's policy, KL and entropy terms: that weight times 1, ``kl_coef`` and ``-entropy_coef``.
 """
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class RowWeights(NamedTuple):
+    """``target_weights``' request (see above)."""
+    aggregation: str
+    num_tokens: Optional[torch.Tensor]
+    num_seqs_agg: Optional[torch.Tensor]
+    horizon: Optional[torch.Tensor]
+    advantages: Optional[torch.Tensor]
+    per_sequence: bool
+    kl_coef: float
+    entropy_coef: float

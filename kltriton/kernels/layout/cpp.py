@@ -1,10 +1,18 @@
 """C++ backend of the ``layout`` family: ``torch.ops.kltriton_cpp.layout_target`` (``csrc/layout.cpp``)."""
 import torch
 
-from kltriton.kernels import cpp_library
+from kltriton.kernels import constants, cpp_library
 
 
 def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags):
     cpp_library.load()
     return torch.ops.kltriton_cpp.layout_target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift,
                                                 flags)
+
+
+def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights):
+    cpp_library.load()
+    return tuple(torch.ops.kltriton_cpp.layout_weights(
+        labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags,
+        constants.AGGREGATIONS.index(weights.aggregation), weights.num_tokens, weights.num_seqs_agg, weights.horizon,
+        weights.advantages, weights.per_sequence, weights.kl_coef, weights.entropy_coef))

@@ -6,6 +6,9 @@ next rank; ``ends``: this rank's positions that end a packed segment), which nee
 import torch
 
 from kltriton.kernels import OUT_OF_RANGE, SKIP, constants
+from kltriton.kernels.epilogue import Rows
+from kltriton.kernels.epilogue.reference import sequences
+from kltriton.kernels.loss.weights import aggregation_weights
 
 _SLOT = {name: i for i, name in enumerate(constants.FLAG_SLOTS)}
 
@@ -69,3 +72,15 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
     if flags is not None and n:
         _record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1)[bad.to(torch.int8).argmax()]),))
     return torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
+
+
+def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights):
+    tgt = target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags)
+    num_seqs = labels2d.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    seqs = sequences(tgt, Rows(num_seqs, labels2d.shape[1], cu_seqlens))
+    seqs = seqs._replace(horizon=weights.horizon, num_tokens=weights.num_tokens, num_seqs_agg=weights.num_seqs_agg)
+    adv = weights.advantages
+    dtype = adv.dtype if adv is not None and adv.dtype == torch.float64 else torch.float32
+    w = aggregation_weights(weights.aggregation, tgt != SKIP, seqs, dtype)
+    adv = torch.zeros_like(w) if adv is None else (adv[seqs.seq_index] if weights.per_sequence else adv).to(dtype)
+    return tgt, torch.stack([adv, w, w, w * weights.kl_coef, w * -weights.entropy_coef])

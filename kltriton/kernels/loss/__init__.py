@@ -49,14 +49,6 @@ entropy_grad, with_grad, with_entropy=True) -> (StreamStats, grad)``
     ``-log_ratio`` (``ppo_kl``), of the KL and of the entropy over the rows with ``target != SKIP``; the ratio's
     largest and smallest value there, 0 without any), summed in row order. One kernel on the cpp and triton backends.
 
-``row_inputs(target, rows, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
-entropy_coef) -> [5, N]``
-    Before ``forward``: each row's advantage (``advantages [num_seqs]`` broadcast when ``per_sequence``), aggregation
-    weight (verl's ``agg_loss`` of ``constants.AGGREGATIONS`` as weights over the rows with ``target != SKIP``, its
-    sequences ``rows``: ``kltriton.kernels.epilogue.Rows``; ``num_tokens`` / ``num_seqs_agg`` 0-dim denominators or
-    None: counted, ``horizon`` 0-dim or None), and ``w_pg``, ``w_kl``, ``w_ent`` (that weight times 1, ``kl_coef`` and
-    ``-entropy_coef``), fp32. One kernel on the cpp and triton backends.
-
 ``scale_(grad, upstream) -> None``
     ``grad *= upstream`` in place (``upstream`` 0-dim on the same device). When ``upstream`` is exactly
     1 the cpp and triton backends move no ``[N, V]`` bytes, decided on the device (no host sync).

@@ -8,7 +8,7 @@ stream kernels (``composed.py``).
 import torch
 
 from kltriton import estimators
-from kltriton.kernels import constants, cpp_library
+from kltriton.kernels import cpp_library
 from kltriton.kernels.loss import LossTerms, composed, reference_logp
 from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
@@ -47,14 +47,6 @@ def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossT
         target, inputs.old_logp, inputs.advantages, inputs.w_pg, inputs.w_kl, inputs.w_ent,
         inputs.w_pg if inputs.w_agg is None else inputs.w_agg, hyperparameters.to(torch.float64), loss_type,
         est.base if est else "", bool(est and est.straight_through)))
-
-
-def row_inputs(target, rows, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
-               entropy_coef):
-    cpp_library.load()
-    return torch.ops.kltriton_cpp.loss_inputs(target, rows.num_seqs, rows.seq_len, rows.cu_seqlens,
-                                              constants.AGGREGATIONS.index(aggregation), num_tokens, num_seqs_agg,
-                                              horizon, advantages, per_sequence, kl_coef, entropy_coef)
 
 
 def coefficients(logp, ref_logp, inputs, hyperparameters, loss_type, estimator, full_kl=None):

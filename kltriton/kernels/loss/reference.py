@@ -7,7 +7,6 @@ import torch
 
 from kltriton import estimators
 from kltriton.kernels import SKIP, constants
-from kltriton.kernels.epilogue.reference import sequences as sequences_of
 from kltriton.kernels.loss import LossTerms, composed, reference_logp, terms as formulas, weights
 from kltriton.kernels.stream import reference as stream
 
@@ -43,14 +42,3 @@ def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossT
     metrics = weights.metrics(token, scored, entropy, None, sums, {}, weights.Sequences(None, 1))
     loss = formulas.objective(token, entropy, inputs.w_pg, inputs.w_kl, inputs.w_ent).sum()
     return LossTerms(loss, token.kl, token.ratio, torch.stack([metrics[name] for name in constants.LOSS_METRICS]))
-
-
-def row_inputs(target, rows, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
-               entropy_coef):
-    seqs = sequences_of(target, rows)
-    scored = target != SKIP
-    dtype = advantages.dtype if advantages.dtype == torch.float64 else torch.float32
-    seqs = seqs._replace(horizon=horizon, num_tokens=num_tokens, num_seqs_agg=num_seqs_agg)
-    w = weights.aggregation_weights(aggregation, scored, seqs, dtype)
-    adv = (advantages[seqs.seq_index] if per_sequence else advantages).to(dtype)
-    return torch.stack([adv, w, w, w * kl_coef, w * -entropy_coef])

@@ -171,8 +171,9 @@ DEFAULTS = {
                           log_ratio_clamp=Default(INF, "torchrl objectives/llm/grpo.py: log_weight not clamped")),
 }
 assert set(DEFAULTS) == set(LOSS_TYPES)
-# Formulas whose derivative w.r.t. a row's log-prob depends on that row alone: the fused kernels.
-FUSED = ("ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio")
+# Formulas whose derivative w.r.t. a row's log-prob depends on that row alone: the fused kernels ("kl_only" is no
+# loss type: the KL term's loss alone, token_divergence's).
+FUSED = ("kl_only", "ppo", "cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "dro", "clipped_ratio")
 # Formulas that need whole sequences (a sequence ratio or weight) or the whole batch (a covariance selection)
 # before any row's derivative: the two-pass route.
 SEQUENCE = ("gspo", "geo_mean", "vespo")
@@ -513,7 +514,14 @@ def vespo(b: Batch, ratio, log_ratio):
     return -phi * b.adv * b.logp, ratio, _no(b), _no(b), log_ratio, phi
 
 
-FORMULAS = {"ppo": ppo, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dppo_tv": _dppo(False), "dppo_kl": _dppo(True),
+def kl_only(b: Batch, ratio, log_ratio):
+    """No policy-gradient term (a loss of the KL term alone: ``token_divergence``'s reverse KL on the fused kernel);
+    the ratio 1, whatever the log-probs."""
+    zero = torch.zeros_like(b.logp)
+    return zero, torch.ones_like(b.logp), _no(b), _no(b), zero
+
+
+FORMULAS = {"kl_only": kl_only, "ppo": ppo, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dppo_tv": _dppo(False), "dppo_kl": _dppo(True),
             "dro": dro, "clipped_ratio": clipped_ratio, "gspo": gspo, "clip_cov": clip_cov, "kl_cov": kl_cov,
             "geo_mean": geo_mean, "vespo": vespo}
 assert set(FORMULAS) == set(FUSED + SEQUENCE + BATCH)
@@ -526,7 +534,7 @@ def token_terms(loss_type, estimator, logp, ref_logp, full_kl, old, adv, hyperpa
     ``"sequence"`` replaces the token ratio by the sequence's (TRL). ``log_is``: VESPO's log IS weights.
     ``sequence_group``: the ranks that hold the other slices of these sequences (``policy_loss``'s): every
     per-sequence sum is over them (``weights.Sequences``), one all-reduce each."""
-    formula = FORMULAS[LOSS_TYPES[loss_type].formula]
+    formula = FORMULAS[LOSS_TYPES[loss_type].formula if loss_type in LOSS_TYPES else loss_type]
     hyperparameters = hyperparameters.to(logp.dtype)
     old = logp.detach() if old is None else old
     if seq_index is None:
@@ -640,7 +648,7 @@ def _dro_slope(logp, old, adv, hyperparameters):
 
 
 # d pg / d logp per row of the formulas in FUSED, written out (the C++ and Triton kernels compute the same).
-SLOPES = {"ppo": _ppo_slope, "cispo": _cispo_slope, "sapo": _sapo_slope, "gpg": _gpg_slope,
+SLOPES = {"kl_only": lambda logp, old, adv, hyperparameters: torch.zeros_like(logp), "ppo": _ppo_slope, "cispo": _cispo_slope, "sapo": _sapo_slope, "gpg": _gpg_slope,
           "dppo_tv": _dppo_slope(False), "dppo_kl": _dppo_slope(True), "dro": _dro_slope,
           "clipped_ratio": _clipped_ratio_slope}
 assert set(SLOPES) == set(FUSED)

@@ -93,7 +93,9 @@ def _pg_slope(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     ratio, d_ratio = _ratio(d, hp_ptr)
     low = tl.load(hp_ptr + HP_RATIO_LOW)
     high = tl.load(hp_ptr + HP_RATIO_HIGH)
-    if LOSS_TYPE == "ppo":  # max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
+    if LOSS_TYPE == "kl_only":  # no policy-gradient term
+        slope = tl.zeros_like(adv)
+    elif LOSS_TYPE == "ppo":  # max(-A min(r, delta), -A clip(r)), held by the dual clip for A < 0
         delta = tl.load(hp_ptr + HP_DELTA)
         pg1 = -adv * tl.minimum(ratio, delta)
         pg2 = -adv * rows.clamp(ratio, low, high)
@@ -131,7 +133,11 @@ def _pg_terms(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     ratio = tl.exp(log_ratio)
     clip = rows.clamp(ratio, tl.load(hp_ptr + HP_RATIO_LOW), tl.load(hp_ptr + HP_RATIO_HIGH))
     no = adv != adv  # False, NaN aside (a NaN advantage is NaN everywhere anyway)
-    if LOSS_TYPE == "ppo":
+    if LOSS_TYPE == "kl_only":  # no policy-gradient term, the ratio 1
+        pg, clipped, lower = tl.zeros_like(adv), no, no
+        ratio = tl.zeros_like(adv) + 1.0
+        log_ratio = tl.zeros_like(adv)
+    elif LOSS_TYPE == "ppo":
         pg1 = -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_DELTA))
         pg2 = -adv * clip
         clip1 = tl.maximum(pg1, pg2)
@@ -405,81 +411,6 @@ def _terms_kernel(
     tl.store(metrics_ptr + METRIC_RATIO_MIN, low.to(tl.float32))
 
 
-@triton.jit
-def _inputs_kernel(
-    target_ptr, cu_ptr, adv_ptr, num_tokens_ptr, num_seqs_agg_ptr, horizon_ptr,  # (the 0-dim ones None: counted)
-    out_ptr,                    # [5, N] fp32: advantage, aggregation weight, w_pg, w_kl, w_ent
-    n, num_seqs, seq_len, kl_coef, entropy_coef,
-    AGGREGATION: tl.constexpr, PER_SEQUENCE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Grid ``(1,)``: the positions with ``target != SKIP`` counted per sequence and in all, then every row's inputs
-    (verl's ``agg_loss`` as weights; ``kltriton.kernels.loss.weights.aggregation_weights``)."""
-    total = tl.zeros((), tl.float64)
-    nonempty = tl.zeros((), tl.float64)
-    for seq in range(0, num_seqs):
-        start, end = _sequence(seq, n, seq_len, cu_ptr)
-        count = tl.zeros((), tl.float64)
-        for lo in range(start, end, BLOCK):
-            offs = lo + tl.arange(0, BLOCK)
-            inside = offs < end
-            count += tl.sum((inside & (tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP)).to(tl.float64),
-                            axis=0)
-        total += count
-        nonempty += tl.where(count > 0, 1.0, 0.0)
-    sequences = tl.maximum(nonempty, 1.0)
-    if num_seqs_agg_ptr is not None:
-        sequences = tl.load(num_seqs_agg_ptr).to(tl.float64)
-    for seq in range(0, num_seqs):
-        start, end = _sequence(seq, n, seq_len, cu_ptr)
-        count = tl.zeros((), tl.float64)
-        if AGGREGATION == "seq-mean-token-mean":
-            for lo in range(start, end, BLOCK):
-                offs = lo + tl.arange(0, BLOCK)
-                inside = offs < end
-                count += tl.sum((inside & (tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP)).to(
-                    tl.float64), axis=0)
-        for lo in range(start, end, BLOCK):
-            offs = lo + tl.arange(0, BLOCK)
-            inside = offs < end
-            valid = tl.where(tl.load(target_ptr + offs, mask=inside, other=SKIP) != SKIP, 1.0, 0.0).to(tl.float64)
-            if AGGREGATION == "token-mean":
-                if num_tokens_ptr is not None:
-                    w = valid / tl.load(num_tokens_ptr).to(tl.float64)
-                else:
-                    w = valid / tl.maximum(total, 1.0)
-            elif AGGREGATION == "token-sum":
-                w = valid
-            elif AGGREGATION == "seq-mean-token-sum":
-                w = valid / sequences
-            elif AGGREGATION == "seq-mean-token-mean":
-                w = valid / tl.maximum(count, 1.0) / sequences
-            else:
-                w = valid / sequences / tl.load(horizon_ptr).to(tl.float64)
-            w32 = w.to(tl.float32)
-            if PER_SEQUENCE:
-                adv = tl.load(adv_ptr + seq + offs * 0, mask=inside, other=0.0)
-            else:
-                adv = tl.load(adv_ptr + offs, mask=inside, other=0.0)
-            tl.store(out_ptr + offs, adv.to(tl.float32), mask=inside)
-            tl.store(out_ptr + n + offs, w32, mask=inside)
-            tl.store(out_ptr + 2 * n + offs, w32, mask=inside)
-            tl.store(out_ptr + 3 * n + offs, (w32.to(tl.float64) * kl_coef).to(tl.float32), mask=inside)
-            tl.store(out_ptr + 4 * n + offs, (w32.to(tl.float64) * -entropy_coef).to(tl.float32), mask=inside)
-
-
-@triton.jit
-def _sequence(seq, n, seq_len, cu_ptr):
-    """Sequence ``seq``'s positions ``[start, end)`` within ``[0, n)``."""
-    if cu_ptr is not None:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    else:
-        start = (seq + tl.zeros((), tl.int64)) * seq_len
-        end = start + seq_len
-    start = tl.minimum(tl.maximum(start, 0), n)
-    return start, tl.minimum(tl.maximum(end, start), n)
-
-
 def _launch(vocab: int, elem_bytes: int, has_ref: bool, loss_type: str, estimator: str, entropy_grad: bool,
             with_entropy: bool = True):
     """The fused kernel's Launch: the stream forward's tile (never split: one program per row) and the
@@ -550,17 +481,6 @@ def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossT
         kl, ratio, metrics, n, REF_GIVEN=stats.ref_logp.shape != stats.logp.shape, LOSS_TYPE=loss_type,
         ESTIMATOR=est.base if est else "", STRAIGHT=bool(est and est.straight_through), BLOCK=TERMS_BLOCK)
     return LossTerms(loss, kl, ratio, metrics)
-
-
-def row_inputs(target, rows_, aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef,
-               entropy_coef):
-    n = target.numel()
-    out = torch.empty((5, n), dtype=torch.float32, device=target.device)
-    if n:
-        _inputs_kernel[(1,)](target, rows_.cu_seqlens, advantages, num_tokens, num_seqs_agg, horizon, out, n,
-                             rows_.num_seqs, max(rows_.seq_len, 1), kl_coef, entropy_coef, AGGREGATION=aggregation,
-                             PER_SEQUENCE=bool(per_sequence), BLOCK=TERMS_BLOCK)
-    return out
 
 
 def _check_fused(loss_type):
