@@ -217,9 +217,34 @@ std::vector<at::Tensor> layout_weights(const at::Tensor& labels2d, const std::op
                               labels2d.options())};
 }
 
+// out[n] = rows[n] where n < N and target[n] >= 0, else 0 (in out's dtype): the scored rows of a projection in a
+// fixed-shape tile, the others zero (never read: a non-finite hidden state there changes nothing).
+void layout_scored_rows(const at::Tensor& rows, const at::Tensor& target, at::Tensor& out) {
+  const int64_t N = target.numel();
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == N && out.dim() == 2 && out.size(0) >= N &&
+                  out.size(1) == rows.size(1) && out.is_contiguous() && target.scalar_type() == at::kLong &&
+                  target.is_contiguous(),
+              "kltriton_cpp: scored_rows needs rows [N, H], int64 target [N] and a contiguous out [>= N, H]");
+  const int64_t* tgt = target.data_ptr<int64_t>();
+  const int64_t H = rows.size(1), rs0 = rows.stride(0), rs1 = rows.stride(1);
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "scored_rows_out", [&] {
+    using O = scalar_t;
+    O* o = out.data_ptr<O>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rows.scalar_type(), "scored_rows", [&] {
+      const scalar_t* r = rows.data_ptr<scalar_t>();
+      for (int64_t n = 0; n < out.size(0); ++n) {
+        for (int64_t h = 0; h < H; ++h) {
+          o[n * H + h] = n < N && tgt[n] >= 0 ? static_cast<O>(r[n * rs0 + h * rs1]) : O(0);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("layout_scored_rows", &kltriton_cpp::layout_scored_rows);
   m.impl("layout_target", &kltriton_cpp::layout_target);
   m.impl("layout_weights", &kltriton_cpp::layout_weights);
 }

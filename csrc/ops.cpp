@@ -23,6 +23,7 @@ std::string build_info() {
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY(kltriton_cpp, m) {
+  m.def("layout_scored_rows(Tensor rows, Tensor target, Tensor(a!) out) -> ()");
   m.def(
       "layout_weights(Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, Tensor? temperature, int ignore_index, "
       "int vocab, bool shift, Tensor(a!)? flags, int aggregation, Tensor? num_tokens, Tensor? num_seqs_agg, "
@@ -48,7 +49,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "Tensor? ref_lse, Tensor?[] basis) -> Tensor");
   m.def(
       "stream_backward_upstream(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
-      "Tensor? ref_lse, Tensor?[] upstream) -> Tensor");
+      "Tensor? ref_lse, Tensor?[] upstream, Tensor(a!)? out) -> Tensor");
   m.def(
       "loss_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor? old_logp, "
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "
@@ -95,6 +96,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
 // The ops are not differentiable themselves (the Python layer wires their backward): let the
 // autograd key fall through so outputs are plain tensors even when logits require grad.
 TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
+  m.impl("layout_scored_rows", torch::CppFunction::makeFallthrough());
   m.impl("layout_weights", torch::CppFunction::makeFallthrough());
   m.impl("loss_terms", torch::CppFunction::makeFallthrough());
   m.impl("kl_reward", torch::CppFunction::makeFallthrough());

@@ -76,6 +76,7 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
                          float floor = -kInf) {
   constexpr bool READS_Y = (MODE & (kPLogq | kQ)) != 0;
   const float g_label = ADD ? static_cast<float>(g[label]) : 0.f;
+  const float x_label = static_cast<float>(x[label]);  // read first: g may be x itself (a gradient in place)
   const Vec vhi(k.hi), vlo(k.lo), nlse(-k.lse), nrlse(-k.rlse), vA(k.p), vB(k.p_logp), vC(k.p_logq), vQ(k.q);
   const Vec zero(0.f), nA(-k.p), lowest(kLowest), vfloor(floor), vninf(-kInf);
   auto grad_vec = [&](const Vec& xin, const Vec& yraw) -> Vec {
@@ -135,7 +136,7 @@ inline void backward_row(const T* x, const R* y, T* g, int64_t V, int64_t label,
   // The label's entry: its p terms by the same vector code (every lane computes the same), plus the label term.
   const float yl = READS_Y ? static_cast<float>(y[label]) : 0.f;
   alignas(64) float at_label[kW];
-  grad_vec(Vec(static_cast<float>(x[label])), Vec(yl)).store(at_label);
+  grad_vec(Vec(x_label), Vec(yl)).store(at_label);
   g[label] = static_cast<T>(g_label + k.label + at_label[0]);
 }
 

@@ -44,9 +44,11 @@ const float* f32_rows(const at::Tensor& t, int64_t N, const char* name, at::Tens
 }
 
 // The gradient from the basis terms `in.basis` (mode: the optional terms present, one bit each after label and p).
+// out: where to write it ([N, V] contiguous, the logits' dtype; it may be the logits themselves), or a new buffer.
 at::Tensor backward_on_basis(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                              const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
-                             const std::optional<at::Tensor>& ref_lse, Inputs& in, int mode, int64_t N, int64_t V) {
+                             const std::optional<at::Tensor>& ref_lse, Inputs& in, int mode, int64_t N, int64_t V,
+                             const std::optional<at::Tensor>& out = std::nullopt) {
   const bool with_ref = (mode & KLTRITON_BASIS_NEEDS_REF) != 0;
   at::Tensor keep_lse, keep_rlse;
   in.tgt = target.data_ptr<int64_t>();
@@ -59,7 +61,10 @@ at::Tensor backward_on_basis(const at::Tensor& logits3d, const std::optional<at:
                 "kltriton_cpp: ref_logits must have the shape of logits");
     in.rlse = f32_rows(*ref_lse, N, "ref_lse", keep_rlse);
   }
-  at::Tensor grad = gradient_buffer(N, V, logits3d.options());
+  TORCH_CHECK(!out.has_value() || (out->is_contiguous() && out->numel() == N * V &&
+                                    out->scalar_type() == logits3d.scalar_type()),
+              "kltriton_cpp: out must be a contiguous [N, V] tensor of the logits' dtype");
+  at::Tensor grad = out.has_value() ? out->view({N, V}) : gradient_buffer(N, V, logits3d.options());
   if (N == 0) return grad;
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
   // The reference is read only for the terms that need it.
@@ -147,7 +152,8 @@ at::Tensor stream_backward(const at::Tensor& logits3d, const std::optional<at::T
 at::Tensor stream_backward_upstream(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
                                     const at::Tensor& target, const at::Tensor& temperature, const at::Tensor& lse,
                                     const std::optional<at::Tensor>& ref_lse,
-                                    const c10::List<std::optional<at::Tensor>>& upstream) {
+                                    const c10::List<std::optional<at::Tensor>>& upstream,
+                                    const std::optional<at::Tensor>& out) {
   int64_t N, V;
   std::tie(N, V) = check_stream_args(logits3d, target, temperature);
   const float* up[kNumUpstream];
@@ -166,7 +172,7 @@ at::Tensor stream_backward_upstream(const at::Tensor& logits3d, const std::optio
     in.basis[i] = present[i] ? terms[i].data() : nullptr;
     if (i >= 2 && present[i]) mode |= 1 << (i - 2);
   }
-  return backward_on_basis(logits3d, ref3d, target, temperature, lse, ref_lse, in, mode, N, V);
+  return backward_on_basis(logits3d, ref3d, target, temperature, lse, ref_lse, in, mode, N, V, out);
 }
 
 }  // namespace kltriton_cpp

@@ -32,7 +32,7 @@ FAMILIES = {
     "divergence": "the generalized JSD's second pass (after the stream log-sum-exps) and its gradient",
     "invariant": "row maxima and fixed-point sums, independent of how the vocabulary is cut (the invariant mode)",
 }
-COMPOSED = {"linear": ("stream", "loss", "divergence")}  # composed from these families of the same backend
+COMPOSED = {"linear": ("stream", "loss", "divergence", "layout")}  # composed from these families of the same backend
 
 
 class Backend(NamedTuple):
@@ -114,12 +114,14 @@ def implementation(family: str, backend: str):
     if family == "linear":
         from kltriton.kernels.linear import tiles
 
-        stream, loss, divergence = (implementation(part, backend) for part in COMPOSED["linear"])
+        stream, loss, divergence, layout = (implementation(part, backend) for part in COMPOSED["linear"])
         forward, backward, column_forward, column_backward = tiles.bind(stream)
         jsd_forward, jsd_backward, divergence_loss = tiles.bind_divergence(divergence)
+        one_tile_forward, one_tile_backward = tiles.bind_one_tile(stream, layout)
         return SimpleNamespace(forward=forward, backward=backward, column_forward=column_forward,
                                column_backward=column_backward, loss_forward=tiles.bind_loss(loss),
-                               jsd_forward=jsd_forward, jsd_backward=jsd_backward, divergence_loss=divergence_loss)
+                               jsd_forward=jsd_forward, jsd_backward=jsd_backward, divergence_loss=divergence_loss,
+                               one_tile_forward=one_tile_forward, one_tile_backward=one_tile_backward)
     return importlib.import_module(_module_name(family, backend))
 
 

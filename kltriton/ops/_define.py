@@ -1,7 +1,7 @@
 """Custom ops from declared arguments: one ``torch.library`` op per kernel pass, keyed on sides.
 
 An op declares its arguments once, as ``(name, kind)`` pairs. A kind is a schema type (``TENSOR``, ``OPTIONAL``,
-``INT``, ``FLOAT``, ``BOOL``, ``STR``, ``DTYPE``) or a ``Group`` of them that the launcher, the fake and the backward receive as one
+``INT``, ``FLOAT``, ``BOOL``, ``STR``, ``DTYPE``, ``MUTABLE``: a tensor the op writes to) or a ``Group`` of them that the launcher, the fake and the backward receive as one
 value: ``SIDE`` (a ``kltriton.kernels.linear.Side``: dense logits, or an LM head's hidden states, weight, bias,
 scale and softcap; None when absent), ``BASIS`` (the gradient basis of ``constants.GRADIENT_BASIS``), ``UPSTREAM``
 (``kltriton.kernels.stream.Upstream``: upstream gradients of the statistics, the basis made in the kernel), ``NEEDS_GRAD``
@@ -24,6 +24,7 @@ from kltriton.kernels.statistics import Basis
 from kltriton.kernels.stream import Upstream
 
 TENSOR, OPTIONAL, INT, FLOAT, BOOL, STR, DTYPE = "Tensor", "Tensor?", "int", "float", "bool", "str", "ScalarType"
+MUTABLE = "Tensor(a!)"  # a tensor the op writes to (at most one per op)
 
 
 class NeedsGrad(NamedTuple):
@@ -191,6 +192,7 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
                 setattr(saved, op.outputs[i], next(stored))
             needs = ctx.needs_input_grad[1:]
             saved.needs_grad = {first: tuple(needs) if grouped else needs[0]}
+            saved.eager = True  # the outputs it saved are its own: the backward may write over them
             grad = backward(saved, grads).get(first)
             grad = grad if isinstance(grad, tuple) else (grad,)
             return (None, *grad, *(None,) * (len(ctx.present) - len(grad)))
@@ -216,7 +218,8 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
         fake: the same, returning empty tensors of the outputs' shapes and dtypes (for tracing).
         save: names of inputs and outputs that ``backward`` reads.
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save`` names as
-            attributes and ``needs_grad`` (input name -> bool, a group's: a tuple of bools), ``grads`` maps output
+            attributes, ``needs_grad`` (input name -> bool, a group's: a tuple of bools) and ``eager`` (True in an
+            eager call, whose saved outputs nobody else holds: the backward may write over them), ``grads`` maps output
             names to their gradient (None when unused, with ``materialize_grads=False``). Omit it for an op that is
             not differentiable (its outputs never require grad).
         grad_outputs: the names of the outputs that can have a gradient (default: every output), or a function of the

@@ -13,8 +13,10 @@ from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype
 from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
+from kltriton.kernels.linear.tiles import one_tile, plan
 from kltriton.kernels.stream import Upstream
-from kltriton.ops._define import BASIS, INT, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, UPSTREAM, NeedsGrad, define_op
+from kltriton.ops._define import (BASIS, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
+                                  define_op)
 
 
 def family(policy, ref) -> str:
@@ -23,18 +25,29 @@ def family(policy, ref) -> str:
 
 
 def _forward(args):
+    """The statistics, and ``tile``: the one-tile path's logits tile, kept for the backward (``[0]`` otherwise)."""
     name = family(args.policy, args.ref)
     impl = dispatch.implementation(name, args.backend)
+    none = args.target.new_empty(0, dtype=torch.float32)
     if name == "stream":
-        return tuple(impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target,
-                                  args.temperature, args.request))
-    return tuple(impl.forward(args.policy, args.ref, args.target, args.temperature, args.request, args.tile_elements))
+        return (*impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target, args.temperature,
+                              args.request), none)
+    if one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements):
+        stats, tile = impl.one_tile_forward(args.policy, args.target, args.temperature, args.request,
+                                            args.tile_elements)
+        return (*stats, tile)
+    return (*impl.forward(args.policy, args.ref, args.target, args.temperature, args.request, args.tile_elements),
+            none)
 
 
 def _forward_fake(args):
     acc = accumulation_dtype(args.policy.x.dtype)
-    return tuple(table.empty_stats(args.target.shape[0], args.request,
-                                   lambda size: args.policy.x.new_empty(size, dtype=acc)))
+    n = args.target.shape[0]
+    stats = table.empty_stats(n, args.request, lambda size: args.policy.x.new_empty(size, dtype=acc))
+    tile = (0,)
+    if family(args.policy, args.ref) == "linear" and one_tile(args.policy, args.ref, n, args.tile_elements):
+        tile = plan(args.policy.weight.shape[0], args.tile_elements)
+    return (*stats, args.policy.x.new_empty(tile, dtype=acc if len(tile) > 1 else torch.float32))
 
 
 def _no_gradients(side, gradients):
@@ -94,17 +107,41 @@ statistics_gradient = define_op(
     outputs=("grad",), launch=_gradient_kernel, fake=lambda args: args.logits.new_empty(args.logits.shape))
 
 
+def _tile_gradient(args):
+    upstream = Upstream(*(None if g is None else g.contiguous() for g in args.upstream))
+    return _no_gradients(args.policy, dispatch.implementation("linear", args.backend).one_tile_backward(
+        args.policy, args.tile, args.target, args.temperature, args.lse, upstream, *args.needs_grad))
+
+
+tile_gradient = define_op(
+    "tile_gradient",
+    inputs=(("policy", SIDE), ("tile", MUTABLE), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
+            ("upstream", UPSTREAM), ("needs_grad", NEEDS_GRAD), ("backend", STR)),
+    outputs=("d_x", "d_weight", "d_bias"), launch=_tile_gradient,
+    fake=lambda args: empty_gradients(args.policy, args.needs_grad))
+
+
 def _backward(saved, grads):
     needs_grad = saved.needs_grad["policy"][:3]
     policy, ref = saved.policy, saved.ref
+    # a statistic the forward did not compute has no gradient (a traced backward may hand it an empty one)
+    grads = {name: g for name, g in grads.items()
+             if g is not None and name in table.DIFFERENTIABLE and getattr(saved, name).shape == saved.lse.shape}
+    entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
+    upstream = Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
+                        None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
     if family(policy, ref) == "stream":  # dense logits: the basis is computed per row inside the kernel
-        entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
-        upstream = Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
-                            None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
         with_ref = upstream.reads_ref()
         grad = statistics_gradient(policy.x, ref.x if with_ref else None, saved.target, saved.temperature, saved.lse,
                                    saved.ref_lse if with_ref else None, upstream, saved.backend)
         return {"policy": (grad, None, None)}
+    if saved.tile.numel():  # one tile, kept by the forward: the gradient is written over it
+        # Through the dispatcher (torch.compile, opcheck) the tile is an output of the op others may hold (and a saved
+        # output written in place cannot be partitioned): write a copy. An eager call's tile is its own.
+        tile = saved.tile if getattr(saved, "eager", False) else saved.tile.clone()
+        d = tile_gradient(policy, tile, saved.target, saved.temperature, saved.lse, upstream, NeedsGrad(*needs_grad),
+                          saved.backend)
+        return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
     stats = StreamStats(*(getattr(saved, name) for name in table.NAMES))
     d = gradients(policy, ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
                   grads, stats, needs_grad)
@@ -115,7 +152,8 @@ statistics = define_op(
     "statistics",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
             ("tile_elements", INT), ("backend", STR)),
-    outputs=table.NAMES, launch=_forward, fake=_forward_fake,
-    save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES), backward=_backward,
+    outputs=(*table.NAMES, "tile"), launch=_forward, fake=_forward_fake,
+    save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES, "tile"),
+    backward=_backward,
     materialize_grads=False,
     grad_outputs=lambda args: tuple(name for name in table.DIFFERENTIABLE if table.present(args.request, name)))

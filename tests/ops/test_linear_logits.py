@@ -247,7 +247,8 @@ def op_samples(backend):
     stats = statistics_op(policy, ref, target, scalar(1.0), statistics.request(entropy=True, ref=True, full_kl=True),
                           1 << 20, backend)
     basis = statistics.gradient_basis({"logp": torch.randn(6), "entropy": torch.randn(6), "full_kl": torch.randn(6)},
-                                      statistics.StreamStats(*stats), torch.tensor(1.0, dtype=torch.float64))
+                                      statistics.StreamStats(*stats[:len(statistics.NAMES)]),
+                                      torch.tensor(1.0, dtype=torch.float64))
     yield statistics_backward, (policy, ref, target, scalar(1.0), stats[1], stats[4], basis, NeedsGrad(True, True, True),
                                 SMALL_TILE, backend)
 

@@ -31,6 +31,11 @@ Backends: ``reference.py`` (PyTorch ops; also the context-parallel shift across 
     ``labels2d`` or the packed segments; ``num_tokens`` / ``num_seqs_agg`` given 0-dim denominators or None: counted,
     ``num_seqs_agg`` then the sequences with a scored position, at least 1; ``horizon`` 0-dim), and the weights of a
     loss's policy, KL and entropy terms: that weight times 1, ``kl_coef`` and ``-entropy_coef``.
+
+``scored_rows(rows, target, out) -> out``
+    ``out[n] = rows[n]`` (converted to ``out``'s dtype) where ``n < N`` and ``target[n] >= 0``, else 0, for every row
+    of ``out [>= N, H]`` (contiguous) from ``rows [N, H]`` (any strides): the scored positions' hidden states in a
+    projection's fixed-shape tile, the others zero (a non-finite hidden state at an unscored position is never read).
 """
 from typing import NamedTuple, Optional
 

@@ -16,3 +16,9 @@ def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, voca
         labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags,
         constants.AGGREGATIONS.index(weights.aggregation), weights.num_tokens, weights.num_seqs_agg, weights.horizon,
         weights.advantages, weights.per_sequence, weights.kl_coef, weights.entropy_coef))
+
+
+def scored_rows(rows, target, out):
+    cpp_library.load()
+    torch.ops.kltriton_cpp.layout_scored_rows(rows, target, out)
+    return out

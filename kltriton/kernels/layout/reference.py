@@ -84,3 +84,11 @@ def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, voca
     w = aggregation_weights(weights.aggregation, tgt != SKIP, seqs, dtype)
     adv = torch.zeros_like(w) if adv is None else (adv[seqs.seq_index] if weights.per_sequence else adv).to(dtype)
     return tgt, torch.stack([adv, w, w, w * weights.kl_coef, w * -weights.entropy_coef])
+
+
+def scored_rows(rows, target, out):
+    n = target.numel()
+    out.zero_()
+    out[:n] = torch.where((target >= 0)[:, None], rows.to(out.dtype), torch.zeros((), dtype=out.dtype,
+                                                                                   device=out.device))
+    return out

@@ -214,6 +214,31 @@ def _weights_kernel(
             tl.store(out_ptr + 4 * n + offs, (w32.to(tl.float64) * -entropy_coef).to(tl.float32), mask=inside)
 
 
+@triton.jit
+def _scored_rows_kernel(rows_ptr, rows_stride_r, rows_stride_c, target_ptr, out_ptr, n_rows, width,
+                        BLOCK: tl.constexpr):
+    """Grid ``(out rows,)``: ``out[n] = rows[n]`` where ``n < N`` and ``target[n] >= 0``, else 0."""
+    n = tl.program_id(0).to(tl.int64)
+    scored = n < 0  # False; target None: no rows to copy
+    src = tl.minimum(n, n_rows - 1)  # a row past N reads row N - 1 (in bounds) and writes zeros
+    if target_ptr is not None:
+        scored = (n < n_rows) & (tl.load(target_ptr + src) >= 0)
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < width
+        value = tl.zeros((BLOCK,), tl.float32)
+        if target_ptr is not None:
+            value = tl.load(rows_ptr + src * rows_stride_r + offs * rows_stride_c, mask=inside, other=0.0)
+        tl.store(out_ptr + n * width + offs, tl.where(scored, value, 0.0).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def scored_rows(rows, target, out):
+    if out.shape[0]:
+        _scored_rows_kernel[(out.shape[0],)](rows, rows.stride(0), rows.stride(1), target if target.numel() else None,
+                                             out, target.numel(), out.shape[1], BLOCK=256)
+    return out
+
+
 def _common(labels2d, mask2d, cu_seqlens, temperature, flags):
     """The arguments ``_target_kernel`` and ``_weights_kernel`` share, up to the target."""
     if mask2d is not None and mask2d.dtype == torch.bool:

@@ -95,6 +95,73 @@ class _TileSide:
         return out
 
 
+def _project(side, rows, out):
+    """``out = `` the logits of ``side``'s LM head on ``rows [tile_rows, H]`` (bias, scale and softcap applied in
+    place), all of the vocabulary."""
+    weight = _operand(side.weight.detach(), out.dtype)
+    if side.bias is not None and rows.dtype == out.dtype and weight.dtype == out.dtype:
+        torch.addmm(side.bias.detach().to(out.dtype), rows, weight.T, out=out)
+    else:
+        _mm(rows, weight.T, out.dtype, out=out)
+        if side.bias is not None:
+            out.add_(side.bias.detach())
+    if side.scale is not None:
+        out.mul_(side.scale)
+    if side.softcap is not None:
+        out.div_(side.softcap).tanh_().mul_(side.softcap)
+    return out
+
+
+def one_tile(policy, ref, n: int, tile_elements: int) -> bool:
+    """Whether a call is one working tile of whole rows: an LM-head policy without a reference side whose ``n`` rows
+    fit the tile's ``tile_rows``. Its forward keeps the tile (``one_tile_forward``) for the backward, which writes
+    the logits gradient over it (``one_tile_backward``): one GEMM, one ``stream`` kernel each way, no host sync."""
+    if policy.weight is None or ref is not None:
+        return False
+    vocab = _vocab(policy)
+    tile_rows, vocab_tile = plan(vocab, tile_elements)
+    return n <= tile_rows and vocab_tile == vocab
+
+
+def bind_one_tile(stream, layout):
+    """``(forward, backward)`` of the one-tile path (``one_tile``) on the ``stream`` and ``layout`` modules."""
+
+    def forward(policy, target, temperature, request, tile_elements):
+        """``(StreamStats, tile)``: the statistics of the policy's rows, projected as rows ``[0, N)`` of one
+        ``[tile_rows, V]`` tile (the GEMM's shape fixed: batch invariance; the unscored positions' rows zero), and
+        that tile (fp32; its rows past ``N`` hold the logits of zero rows, never read)."""
+        n, vocab = target.numel(), _vocab(policy)
+        tile_rows, _ = plan(vocab, tile_elements)
+        tile = _project(policy, _rows(policy, target, tile_rows),
+                        torch.empty((tile_rows, vocab), dtype=accumulation_dtype(policy.x.dtype), device=target.device))
+        return stream.forward(tile[:n], None, target, temperature, request), tile
+
+    def _rows(policy, target, tile_rows):
+        """The GEMM's ``[tile_rows, H]`` operand: the scored rows of the policy's hidden states, the others zero."""
+        x = policy.x.detach()
+        dtype = x.dtype if x.is_cuda else accumulation_dtype(x.dtype)  # as _operand: CUDA half stays half
+        rows = torch.empty((tile_rows, x.shape[-1]), dtype=dtype, device=x.device)
+        return layout.scored_rows(x.reshape(target.numel(), x.shape[-1]), target, rows)
+
+    def backward(policy, tile, target, temperature, lse, upstream, want_x, want_weight, want_bias):
+        """``(d_x, d_weight, d_bias)`` from the forward's ``tile``: the logits gradient written over its first ``N``
+        rows (the upstream gradients' basis made in the kernel), chained through softcap and scale, then
+        ``d_x = grad @ weight`` over the whole tile (the GEMM's shape fixed) and ``d_weight = grad.T @ x``,
+        ``d_bias = grad.sum(0)`` over the ``N`` rows. None where not asked."""
+        n = target.numel()
+        grad = stream.backward_upstream(tile[:n], None, target, temperature, lse, None, upstream, out=tile[:n])
+        if policy.softcap is not None or policy.scale is not None:  # the chain needs the logits: recompute them
+            _chain(policy, _project(policy, _rows(policy, target, tile.shape[0]), torch.empty_like(tile))[:n], grad)
+        weight = _operand(policy.weight.detach(), tile.dtype)
+        d_x = _mm(tile, weight, tile.dtype)[:n].view(policy.x.shape).to(policy.x.dtype) if want_x else None
+        x = policy.x.detach().reshape(n, policy.x.shape[-1])
+        d_weight = _mm(grad.T, _operand(x, tile.dtype), tile.dtype).to(policy.weight.dtype) if want_weight else None
+        d_bias = grad.sum(0).to(policy.bias.dtype) if want_bias and policy.bias is not None else None
+        return d_x, d_weight, d_bias
+
+    return forward, backward
+
+
 def _scored_tiles(target, ok, tile_rows):
     """``(idx, padded_idx, m)`` per token tile of the rows where ``ok``; one host sync (the count)."""
     scored = torch.nonzero(ok).squeeze(1)

@@ -38,10 +38,11 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     ``p == 0`` (a ``-inf`` logit, or ``finfo.min`` under a large ``lse``) gets no ``p`` term even where
     ``log p`` is ``-inf``.
 
-``backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> grad``
+``backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream, out=None) -> grad``
     ``backward`` on the basis of the upstream gradients ``upstream`` (``Upstream``), computed per row inside the
     kernel (``statistics.gradient_basis``: no ``[N]`` ops around it). ``ref_logits`` / ``ref_lse`` are given iff
-    ``upstream.reads_ref()``.
+    ``upstream.reads_ref()``. ``out``: a contiguous tensor shaped and typed like ``logits`` to write the gradient
+    into (it may be ``logits`` itself: the gradient in place of the logits), else a new one.
 """
 from typing import NamedTuple, Optional
 

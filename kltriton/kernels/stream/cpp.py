@@ -31,10 +31,10 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     return grad.view(logits.shape)
 
 
-def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream, out=None) -> torch.Tensor:
     cpp_library.load()
     with_ref = upstream.reads_ref()
     grad = torch.ops.kltriton_cpp.stream_backward_upstream(
         _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
-        ref_lse if with_ref else None, list(upstream))
+        ref_lse if with_ref else None, list(upstream), out)
     return grad.view(logits.shape)

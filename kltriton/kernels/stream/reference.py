@@ -138,7 +138,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     return grad
 
 
-def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream, out=None) -> torch.Tensor:
     # the values the basis reads (the log-prob's and the forward KL's gradients read none: lse stands in)
     values = {"logp": lse, "lse": lse, "entropy": upstream.entropy_value, "full_kl": upstream.full_kl_value,
               "forward_kl": lse}
@@ -146,5 +146,6 @@ def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, ups
     grads = {"logp": upstream.logp, "entropy": upstream.entropy, "full_kl": upstream.full_kl,
              "forward_kl": upstream.forward_kl}
     basis = gradient_basis(grads, stats, temperature)
-    return backward(logits, ref_logits if basis.reads_ref() else None, target, temperature, lse,
+    grad = backward(logits, ref_logits if basis.reads_ref() else None, target, temperature, lse,
                     ref_lse if basis.reads_ref() else None, basis)
+    return grad if out is None else out.copy_(grad)

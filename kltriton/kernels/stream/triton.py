@@ -214,17 +214,19 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis, floor
                      (coefficients,) + (None,) * 6, floor)
 
 
-def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream) -> torch.Tensor:
+def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, upstream, out=None) -> torch.Tensor:
     terms = rows.upstream_terms(upstream)
     with_ref = bool(terms & constants.BASIS_NEEDS_REF)
     return _backward(logits, ref_logits if with_ref else None, target, temperature, lse, ref_lse, terms,
-                     (None, *upstream), None)
+                     (None, *upstream), None, out)
 
 
-def _backward(logits, ref_logits, target, temperature, lse, ref_lse, terms, coefficients, floor) -> torch.Tensor:
-    """``coefficients``: the stacked basis and six Nones, or None and the ``Upstream`` tensors."""
+def _backward(logits, ref_logits, target, temperature, lse, ref_lse, terms, coefficients, floor, out=None):
+    """``coefficients``: the stacked basis and six Nones, or None and the ``Upstream`` tensors; ``out``: where to
+    write the gradient (contiguous, shaped and typed like ``logits``; it may be ``logits``: each program reads its
+    block before it writes it), else a new tensor."""
     n, vocab = num_rows(logits), logits.shape[-1]
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if out is None else out
     if n == 0:
         return grad
     with_ref = ref_logits is not None
