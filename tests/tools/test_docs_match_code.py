@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kltriton
+from kltriton import __main__ as cli
 from kltriton import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -17,13 +18,16 @@ def _code_blocks(text):
     return re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
 
 
-def test_info_sample_shows_every_family_as_the_command_prints_it():
+def test_info_sample_shows_every_family_and_backend_as_the_command_prints_them(capsys):
     install = (DOCS / "install.md").read_text()
     sample = next(block for block in _code_blocks(install) if block.startswith("kltriton "))
     for family, what in dispatch.FAMILIES.items():
-        assert re.search(rf"^  {family} +CPU tensors -> .*\({re.escape(what)}\)$", sample, re.M), family
-        for backend in dispatch.BACKENDS:
-            assert re.search(rf"^  {family} +{backend} +(yes|no) ", sample, re.M), (family, backend)
+        assert re.search(rf"^  {family} +CPU tensors -> \w+   \({re.escape(what)}\)$", sample, re.M), family
+    for backend in dispatch.BACKENDS:
+        assert re.search(rf"^  {backend} +(yes|no) ", sample, re.M), backend
+    assert cli.info() == 0
+    headings = [line for line in capsys.readouterr().out.splitlines() if line.endswith(":")]
+    assert headings == [line for line in sample.splitlines() if line.endswith(":")]
 
 
 def test_api_index_links_every_api_page():
