@@ -59,9 +59,9 @@ error = max((out.reward[:, :-1] - reward).abs().max().item(), (out.kl[:, :-1] - 
 
 print(f"policy/reference: Llama from a config, vocab {VOCAB}; batch [{BATCH}, {PROMPT + RESPONSE}], "
       f"prompt {PROMPT} tokens, coef {coef}, score clip {score_clip}")
-print(f"{'seq':>3} {'response':>8} {'mean KL':>9} {'score':>6} {'sum reward':>10}")
+print(f"{'seq':>3} {'response':>8} {'mean k1 KL':>10} {'score':>6} {'sum reward':>10}")  # k1 = logp - ref_logp
 for s in range(BATCH):
-    print(f"{s:>3} {lengths[s].item():>8} {out.kl_per_seq[s].item():>9.5f} {scores[s].item():>6.1f} "
+    print(f"{s:>3} {lengths[s].item():>8} {out.kl_per_seq[s].item():>10.5f} {scores[s].item():>6.1f} "
           f"{out.reward[s].sum().item():>10.4f}")
 ok = error < 1e-4
 print(f"fused_kl_reward vs eager: max |difference| = {error:.2e} -> {'OK' if ok else 'MISMATCH'}")
