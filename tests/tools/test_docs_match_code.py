@@ -1,5 +1,6 @@
 """The docs say what the code does: the ``python -m kltriton info`` sample lists every kernel family, the API index
-every API page, the install page every extra, the policy_loss page every metric; no install command breaks in zsh."""
+every API page, the install page every extra, the policy_loss page every metric; no install command breaks in zsh; the
+README, CONTRIBUTING and the install page make one statement of the test suite's size and time."""
 import pathlib
 import re
 
@@ -48,6 +49,15 @@ def test_install_page_lists_every_extra():
     readme = (ROOT / "README.md").read_text()
     readme_line = readme[readme.index("Dependencies: torch"):readme.index("## One example per op")]
     assert set(re.findall(r"`\[(\w+)\]`", readme_line)) >= extras
+
+
+def test_one_statement_of_the_suite_everywhere():
+    def statement(path):
+        paragraph = next(p for p in path.read_text().split("\n\n") if p.startswith("**The test suite**"))
+        return " ".join(paragraph.split())
+
+    readme = statement(ROOT / "README.md")
+    assert statement(ROOT / "CONTRIBUTING.md") == readme == statement(DOCS / "install.md")
 
 
 def test_no_unquoted_extras_in_install_commands():
