@@ -1,13 +1,15 @@
 """Packaging. The C++ kernels ship as sources (``kltriton/csrc``) and compile on first use.
 
-``KLTRITON_BUILD_CPP=1 pip install --no-build-isolation .`` compiles them into the wheel
-instead (``kltriton/_C*.so``): that needs the installed torch at build time (hence no build
-isolation), ties the wheel to that torch version, and targets the building machine's CPU
-capability (the loader skips it on a CPU that lacks it and falls back to the JIT build).
+``KLTRITON_BUILD_CPP=1 pip install -v --no-build-isolation .`` compiles them into the wheel
+instead (``kltriton/_C*.so``; ``-v`` shows the build's progress): that needs the installed torch
+at build time (hence no build isolation), ties the wheel to that torch version, and targets the
+building machine's CPU capability (the loader skips it on a CPU that lacks it and falls back to
+the JIT build).
 The compiler flags come from ``kltriton/kernels/constants.py``, the table the JIT build uses.
 """
 import importlib.util
 import os
+import time
 
 from setuptools import find_packages, setup
 
@@ -25,6 +27,17 @@ def cpp_extension():
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
+    class TimedBuildExtension(BuildExtension):
+        """torch's build (ninja prints a ``[k/N]`` line per source) between a first and a last line, its time.
+        pip shows a build's output with ``pip install -v`` only."""
+
+        def run(self):
+            started = time.perf_counter()
+            print(f"kltriton: compiling the C++ kernels ({len(constants.CPP_SOURCES)} sources, 1-2.5 minutes on "
+                  "2 cores, longer under load)", flush=True)
+            super().run()
+            print(f"kltriton: C++ kernels built in {time.perf_counter() - started:.0f} s", flush=True)
+
     constants = _constants()
     capability = torch.backends.cpu.get_cpu_capability()
     capability = capability if capability in constants.ISA_FLAGS else "DEFAULT"
@@ -35,7 +48,7 @@ def cpp_extension():
         extra_compile_args=constants.cpp_compile_flags(capability),
         extra_link_args=list(constants.CPP_LINK_FLAGS),
     )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": TimedBuildExtension}}
 
 
 setup(

@@ -27,17 +27,20 @@ def info() -> int:
     print(f"cuda: {torch.cuda.get_device_name() if cuda else 'no CUDA device'}")
     print("default backend per family (backend=None):")
     for family, what in dispatch.FAMILIES.items():
-        on_cpu = dispatch.resolve(None, family, "cpu", False)
-        on_cuda = dispatch.resolve(None, family, "cuda", False) if cuda else "no CUDA device here"
-        print(f"  {family:<10} CPU tensors -> {on_cpu}; CUDA tensors -> {on_cuda}   ({what})")
-    print("family x backend:")
-    for family in dispatch.FAMILIES:
-        for name in dispatch.BACKENDS:
+        on_cuda = f"; CUDA tensors -> {dispatch.resolve(None, family, 'cuda', False)}" if cuda else ""
+        print(f"  {family:<10} CPU tensors -> {dispatch.resolve(None, family, 'cpu', False)}{on_cuda}   ({what})")
+    print("backends (for every family, unless a line names the families):")
+    for name in dispatch.BACKENDS:
+        families_by_status = {}
+        for family in dispatch.FAMILIES:
             usable, why = dispatch.availability(name, family)
             if usable and name == "triton" and not cuda and not dispatch.triton_interpreted():
                 usable, why = False, ("installed, but no CUDA device here; TRITON_INTERPRET=1 runs CPU tensors "
                                       "through its interpreter (for tests, far too slow for work)")
-            print(f"  {family:<10} {name:<10} {'yes' if usable else 'no':<4} {why}")
+            families_by_status.setdefault((usable, why), []).append(family)
+        for (usable, why), families in families_by_status.items():
+            named = f"   (families: {', '.join(families)})" if len(families_by_status) > 1 else ""
+            print(f"  {name:<10} {'yes' if usable else 'no':<4} {why}{named}")
     return 0
 
 

@@ -16,8 +16,9 @@ Loading, in order (``load()``; importing this module compiles nothing):
    (torch version, CPU capability, hash of the sources and flags). Concurrent builds are serialised
    by an ``flock`` on ``<cache>/<key>.lock`` (released by the OS if the builder dies); a stale torch
    ``FileBaton`` left by a killed build is removed under that lock. A finished build is loaded
-   without a compiler next time. A build prints one line to stderr when it starts and one when it
-   ends; ``KLTRITON_VERBOSE_BUILD=1`` shows the compiler's own output.
+   without a compiler next time. A build prints one line to stderr when it starts, one every
+   ``PROGRESS_EVERY_S`` seconds while it runs (sources compiled so far, time so far) and one with its
+   total time; ``KLTRITON_VERBOSE_BUILD=1`` shows the compiler's own output.
 
 If none works, ``availability()`` is ``(False, reason)`` and one ``warnings.warn`` per process says
 why; automatic backend choice then uses the PyTorch reference.
@@ -45,6 +46,7 @@ from kltriton.kernels.constants import (CPP_HEADERS, CPP_LINK_FLAGS, CPP_SOURCES
 NAMESPACE = "kltriton_cpp"
 SOURCES, HEADERS, LINK_FLAGS = CPP_SOURCES, CPP_HEADERS, CPP_LINK_FLAGS
 _BUILD_TAG = b"KLTRITON_CPP_BUILD_TAG cap="
+PROGRESS_EVERY_S = 20.0  # a build says it is alive at least this often: a slow build must not look like a hang
 _CAP_RANK = {cap: rank for rank, cap in enumerate(CPU_CAPABILITIES)}
 _OK_MARKER = "kltriton_build_ok"
 
@@ -166,6 +168,35 @@ def _clear_stale_baton(build_dir: Path) -> None:
         stale.unlink()
 
 
+def _say(message: str) -> None:
+    print(f"kltriton: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def build_progress(build_dir: Path, sources, every_s: float):
+    """Report the build of ``sources`` into ``build_dir`` that runs in the ``with`` body: every ``every_s``
+    seconds a stderr line with the sources compiled so far (their ``.o`` files in ``build_dir``, ninja's names)
+    and the time so far; when the body succeeds, a last line with the total time."""
+    started = time.perf_counter()
+    objects = [build_dir / f"{Path(name).stem}.o" for name in sources]
+    stop = threading.Event()
+
+    def report():
+        while not stop.wait(every_s):
+            done = sum(obj.is_file() for obj in objects)
+            step = f"{done} of {len(objects)} sources compiled" if done < len(objects) else "linking"
+            _say(f"still building the C++ CPU kernels: {step}, {time.perf_counter() - started:.0f} s so far")
+
+    reporter = threading.Thread(target=report, name="kltriton-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reporter.join()
+    _say(f"C++ CPU kernels built in {time.perf_counter() - started:.0f} s")
+
+
 def _load_library(path: Path) -> None:
     torch.ops.load_library(str(path))
     _state["loads"] += 1
@@ -197,27 +228,25 @@ def _jit_build(src: Path) -> str:
         build_dir.mkdir(parents=True, exist_ok=True)
         _clear_stale_baton(build_dir)
         ok.unlink(missing_ok=True)
-        print(f"kltriton: building the C++ CPU kernels ({cap}) in {build_dir}, once per torch version and CPU: "
-              f"1-2.5 minutes on 2 cores, longer under load...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
+        _say(f"building the C++ CPU kernels ({cap}, {len(SOURCES)} sources) in {build_dir}, once per torch version "
+             f"and CPU: 1-2.5 minutes on 2 cores, longer under load; a line every {PROGRESS_EVERY_S:.0f} s...")
         try:
-            cpp_extension.load(
-                name=name,
-                sources=[str(src / f) for f in SOURCES],
-                extra_cflags=compile_flags(cap),
-                extra_ldflags=list(LINK_FLAGS),
-                extra_include_paths=[str(src)],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=env_flag("KLTRITON_VERBOSE_BUILD", False),
-            )
+            with build_progress(build_dir, SOURCES, PROGRESS_EVERY_S):
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(src / f) for f in SOURCES],
+                    extra_cflags=compile_flags(cap),
+                    extra_ldflags=list(LINK_FLAGS),
+                    extra_include_paths=[str(src)],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=env_flag("KLTRITON_VERBOSE_BUILD", False),
+                )
         except Exception as err:
             tail = str(err).strip().splitlines()[-12:]
             raise CppUnavailable(f"build failed in {build_dir}: " + "\n".join(tail)) from err
         _state["loads"] += 1
         ok.write_text(" ".join(compile_flags(cap)) + "\n")
-        print(f"kltriton: C++ CPU kernels built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
-              flush=True)
         return f"JIT build {so} ({cap})"
 
 

@@ -169,7 +169,7 @@ def test_truncation_switch_scores_the_sampled_distribution(model_dir, tmp_path, 
         logits, labels, mask = args[0], args[1], kwargs["mask"].bool()
         want = expect(logits, labels, kwargs["truncation"])
         torch.testing.assert_close(out.logprobs[mask].double(), want[mask], rtol=1e-5, atol=1e-5)
-        moved.append(float((want - expect(logits, labels, None))[mask].abs().max()))
+        moved.append(float((want - expect(logits, labels, None))[mask].abs().max().detach()))
 
     losses = _Recorder(monkeypatch, "policy_loss", check_loss)
     heads = _Recorder(monkeypatch, "token_logprobs", check_head)

@@ -1,5 +1,5 @@
-"""``python -m kltriton``: bad demo arguments are usage errors (exit status 2, no traceback), and a folder named
-``kltriton`` that shadows the package (the clone seen from its parent folder) gets a message saying what to do."""
+"""``python -m kltriton``: ``info`` says each backend's status once, bad demo arguments are usage errors (exit status 2,
+no traceback), and a folder named ``kltriton`` that shadows the package gets a message saying what to do."""
 import subprocess
 import sys
 import types
@@ -59,3 +59,24 @@ def test_a_folder_shadowing_the_package_gets_a_clear_message(monkeypatch, capsys
 
 def test_the_real_package_is_not_reported_as_shadowed():
     assert kltriton.__file__ and cli._shadowed_by_a_folder() is None
+
+
+def test_info_gives_one_line_per_backend_and_names_families_only_where_they_differ(monkeypatch, capsys):
+    from kltriton import dispatch
+
+    real = dispatch.availability
+
+    def availability(name, family):  # the cpp backend without the loss family's module
+        if name != "cpp":
+            return real(name, family)
+        return (False, "no loss module") if family == "loss" else (True, "loaded")
+
+    monkeypatch.setattr(dispatch, "availability", availability)
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index("backends (for every family, unless a line names the families):") + 1:]
+    assert [line.split()[0] for line in table] == ["triton", "cpp", "cpp", "reference"]
+    others = ", ".join(family for family in dispatch.FAMILIES if family != "loss")
+    assert table[1:3] == [f"  cpp        yes  loaded   (families: {others})",
+                          "  cpp        no   no loss module   (families: loss)"]
+    assert "families" not in table[0] + table[3]

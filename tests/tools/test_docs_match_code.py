@@ -1,5 +1,6 @@
 """The docs say what the code does: the ``python -m kltriton info`` sample lists every kernel family, the API index
-every API page, the install page every extra, the policy_loss page every metric; no install command breaks in zsh."""
+every API page, the install page every extra, the policy_loss page every metric; no install command breaks in zsh; the
+README, CONTRIBUTING and the install page make one statement of the test suite's size and time."""
 import pathlib
 import re
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import kltriton
+from kltriton import __main__ as cli
 from kltriton import dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -17,13 +19,16 @@ def _code_blocks(text):
     return re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
 
 
-def test_info_sample_shows_every_family_as_the_command_prints_it():
+def test_info_sample_shows_every_family_and_backend_as_the_command_prints_them(capsys):
     install = (DOCS / "install.md").read_text()
     sample = next(block for block in _code_blocks(install) if block.startswith("kltriton "))
     for family, what in dispatch.FAMILIES.items():
-        assert re.search(rf"^  {family} +CPU tensors -> .*\({re.escape(what)}\)$", sample, re.M), family
-        for backend in dispatch.BACKENDS:
-            assert re.search(rf"^  {family} +{backend} +(yes|no) ", sample, re.M), (family, backend)
+        assert re.search(rf"^  {family} +CPU tensors -> \w+   \({re.escape(what)}\)$", sample, re.M), family
+    for backend in dispatch.BACKENDS:
+        assert re.search(rf"^  {backend} +(yes|no) ", sample, re.M), backend
+    assert cli.info() == 0
+    headings = [line for line in capsys.readouterr().out.splitlines() if line.endswith(":")]
+    assert headings == [line for line in sample.splitlines() if line.endswith(":")]
 
 
 def test_api_index_links_every_api_page():
@@ -44,6 +49,15 @@ def test_install_page_lists_every_extra():
     readme = (ROOT / "README.md").read_text()
     readme_line = readme[readme.index("Dependencies: torch"):readme.index("## One example per op")]
     assert set(re.findall(r"`\[(\w+)\]`", readme_line)) >= extras
+
+
+def test_one_statement_of_the_suite_everywhere():
+    def statement(path):
+        paragraph = next(p for p in path.read_text().split("\n\n") if p.startswith("**The test suite**"))
+        return " ".join(paragraph.split())
+
+    readme = statement(ROOT / "README.md")
+    assert statement(ROOT / "CONTRIBUTING.md") == readme == statement(DOCS / "install.md")
 
 
 def test_no_unquoted_extras_in_install_commands():
