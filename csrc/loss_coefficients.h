@@ -157,8 +157,8 @@ inline PgTerms pg_terms(const LossParams& P, double lp, double old, double d, do
   const double ratio = std::exp(log_ratio);
   const double clip = std::min(std::max(ratio, P.ratio_low), P.ratio_high);
   switch (P.loss_type) {
-    case kKlOnly:  // no policy-gradient term, the ratio 1
-      return {0.0, 1.0, false, false, 0.0};
+    case kKlOnly:  // no policy-gradient term
+      return {0.0, ratio, false, false, log_ratio};
     case kPpo: {  // max(-A min(r, delta), -A clip(r)), at most -A dual_clip for A < 0
       const double pg1 = -A * std::min(ratio, P.delta), pg2 = -A * clip, clip1 = std::max(pg1, pg2);
       const double pg3 = -A * P.dual_clip;

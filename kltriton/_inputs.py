@@ -300,13 +300,14 @@ def _raise_now(context) -> None:
 
 
 def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens, shift_labels, temperature=None,
-                 spans: str = "", split=None, backend=None) -> Layout:
+                 spans: str = "", split=None, backend=None, float64=False) -> Layout:
     """Check the label-side arguments against the logits' leading ``shape`` (on ``device``) and build the flat
     ``target`` with the ``layout`` op (one kernel; its value checks as ``set_validation`` says). Labels must lie in
     ``[0, vocab)``: the global vocabulary (``spans``: how the ranks' shards cover it, for the error message).
     ``temperature``: the kernels' float64 temperature when the caller gave a tensor (its values are checked with the
     other values), else None.
-    ``backend``: the user's choice (``kltriton.dispatch`` resolves it for the ``layout`` family).
+    ``backend``: the user's choice (``kltriton.dispatch`` resolves it for the ``layout`` family); ``float64``: the
+    logits are float64 (the reference backend's oracle mode: a loss's row weights in float64 too).
 
     ``split``: this rank's ``parallel.SequenceSplit`` (a sequence group): ``shape`` is this rank's slice of the
     sequence dimension (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``); the shift
@@ -334,17 +335,20 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     check = _VALIDATE is not False and not torch.compiler.is_compiling()
     context = {"device": device, "vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
                "split": split is not None} if check and host_checks(device) else None
-    if split is None:
-        name = dispatch.resolve(backend, "layout", device.type, False)
+    if split is None and not isinstance(vocab, torch.Tensor):
+        name = dispatch.resolve(backend, "layout", device.type, float64)
         args = (_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens, temperature, ignore_index, vocab,
                 bool(shift_labels), check, name)
         return Layout(shape, num_seqs, cu_seqlens, split, source=(args, context))
+    # The reference's ops: under a split (the shift across ranks), or a vocabulary learned on the device (a vocab
+    # shard's global size as a tensor, which the layout kernels do not take).
     following, ends = (None, None), None
-    if shift_labels:
+    if shift_labels and split is not None:
         following = _from_next_slice(labels, mask, split, ignore_index)
         if cu_seqlens is not None and labels.numel():
             ends = _split_sequence_ends(cu_seqlens, labels.numel(), split)
-    target = layout_reference.target(labels, mask, None, temperature, ignore_index, vocab, bool(shift_labels),
-                                     flag_vector(device) if check else None, following, ends)
+    target = layout_reference.target(labels, mask, cu_seqlens if split is None else None, temperature, ignore_index,
+                                     vocab, bool(shift_labels), flag_vector(device) if check else None, following,
+                                     ends)
     _raise_now(context)
     return Layout(shape, num_seqs, cu_seqlens, split, target=target)

@@ -195,7 +195,8 @@ def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=(
                           mask=None if mask is None else local_rows(mask, "mask"),
                           cu_seqlens=None if cu_seqlens is None else local_rows(cu_seqlens, "cu_seqlens"),
                           shift_labels=shift_labels, temperature=temperature if isinstance(given, torch.Tensor) else None,
-                          spans=shard.spans if shard is not None else "", split=split, backend=backend)
+                          spans=shard.spans if shard is not None else "", split=split, backend=backend,
+                          float64=policy.x.dtype == torch.float64)
     projected = policy.weight is not None or (ref_side is not None and ref_side.weight is not None)
     tile = tile or (default_tile_elements(device.type) if projected or truncation is not None else 0)
     return Call(policy, ref_side, ref_logprobs, topk, layout, temperature, truncation, shard, backend, tile, split)

@@ -346,23 +346,23 @@ def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _
         raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
     old, _ = _checked("old_logprobs", old_logprobs, call)
     prepared = layout.weighted(RowWeights(loss.settings.aggregation, *denominators, adv, per_sequence, loss.kl_coef,
-                                          loss.entropy_coef))
+                                          loss.entropy_coef, accumulation_dtype(call.dtype)))
     adv_rows, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
     inputs = LossInputs(old, adv_rows, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
     value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
                                             loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
                                             with_entropy=loss.compute_entropy)
-    shape = layout.shape
-    zeros = lambda: torch.zeros(shape, dtype=torch.float32, device=call.device)  # noqa: E731
+    view = lambda t: t.detach().float().view(layout.shape)  # noqa: E731  (fp32: no op)
+    zeros = lambda: torch.zeros(layout.shape, dtype=torch.float32, device=call.device)  # noqa: E731
     if call.ref is not None:
-        ref_logp = stats.ref_logp.view(shape)
+        ref_logp = view(stats.ref_logp)
     elif call.ref_logprobs is not None:  # like every per-token output: 0 where not scored
-        ref_logp = torch.where(layout.target != SKIP, call.ref_logprobs.float(), 0.0).view(shape)
+        ref_logp = view(torch.where(layout.target != SKIP, call.ref_logprobs.float(), 0.0))
     else:
         ref_logp = zeros()
-    entropy = stats.entropy.view(shape) if loss.compute_entropy else zeros()
-    return PolicyLossOutput(value, stats.logp.detach().view(shape), ref_logp, out.kl.view(shape), entropy,
-                            out.ratio.view(shape), dict(zip(constants.LOSS_METRICS, out.metrics.unbind())))
+    entropy = view(stats.entropy) if loss.compute_entropy else zeros()
+    return PolicyLossOutput(value, view(stats.logp), ref_logp, view(out.kl), entropy, view(out.ratio),
+                            dict(zip(constants.LOSS_METRICS, out.metrics.unbind())))
 
 
 # --- the output ---------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def _reverse_kl_loss(call, reduction, return_entropy):
     ``"kl_only"`` formula): the targets with their weights (the layout op), then the statistics, the loss and the
     student's gradient in one pass per row and the ``terms`` kernel's sum; no ``[N]`` ops around them."""
     prepared = call.layout.weighted(RowWeights("token-sum" if reduction == "sum" else "token-mean", None, None, None,
-                                               None, False, 1.0 / call.vocab if reduction == "mean" else 1.0, 0.0))
+                                               None, False, 1.0 / call.vocab if reduction == "mean" else 1.0, 0.0,
+                                               accumulation_dtype(call.dtype)))
     adv, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
     inputs = LossInputs(None, adv, w_pg, w_kl, w_ent, None, w_agg)
     hyperparameters = terms.hyperparameters(call.device, **_KL_ONLY)

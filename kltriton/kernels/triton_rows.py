@@ -453,12 +453,12 @@ def loss_basis(g_logp, g_entropy, entropy, g_full_kl, full_kl, inv_temperature, 
 
 @triton.jit
 def upstream_basis(row, g_logp_ptr, g_entropy_ptr, g_full_kl_ptr, g_forward_kl_ptr, entropy_ptr, full_kl_ptr,
-                   inv_temperature):
+                   temperature_ptr, temperature_stride):
     """A row's gradient basis ``(c_label, c_p, c_p_logp, c_p_logq, c_q)`` (fp32, divided by ``T``) from the upstream
     gradients of its statistics (None: no gradient) and the entropy / full KL values their terms read, computed in
-    float64 (``kltriton.kernels.statistics.gradient_basis``; a zero gradient adds nothing even where its statistic is
-    infinite)."""
-    inv = inv_temperature.to(tl.float64)
+    float64 with the float64 ``1 / T`` (``kltriton.kernels.statistics.gradient_basis``, bit for bit; a zero gradient
+    adds nothing even where its statistic is infinite)."""
+    inv = 1.0 / tl.load(temperature_ptr + row * temperature_stride)
     gl = tl.zeros((), tl.float64)
     if g_logp_ptr is not None:
         gl = tl.load(g_logp_ptr + row).to(tl.float64)

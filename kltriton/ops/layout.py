@@ -8,7 +8,7 @@ import torch
 from kltriton import dispatch
 from kltriton.kernels import constants
 from kltriton.kernels.layout import RowWeights
-from kltriton.ops._define import BOOL, FLOAT, INT, OPTIONAL, STR, TENSOR, Group, define_op
+from kltriton.ops._define import BOOL, DTYPE, FLOAT, INT, OPTIONAL, STR, TENSOR, Group, define_op
 
 
 _FLAGS = {}  # device -> int64 [len(FLAG_SLOTS)]: what the layout kernels found wrong since the last check
@@ -85,13 +85,13 @@ def _launch_weights(args):
 
 _INPUTS = (("labels", TENSOR), ("mask", OPTIONAL), ("cu_seqlens", OPTIONAL), ("temperature", OPTIONAL),
            ("ignore_index", INT), ("vocab", INT), ("shift", BOOL), ("check", BOOL))
-ROW_WEIGHTS = Group(RowWeights, (STR, OPTIONAL, OPTIONAL, OPTIONAL, OPTIONAL, BOOL, FLOAT, FLOAT))
+ROW_WEIGHTS = Group(RowWeights, (STR, OPTIONAL, OPTIONAL, OPTIONAL, OPTIONAL, BOOL, FLOAT, FLOAT, DTYPE))
 
 target_weights = define_op(
     "target_weights", inputs=(*_INPUTS, ("weights", ROW_WEIGHTS), ("backend", STR)), outputs=("target", "prepared"),
     launch=_launch_weights,
     fake=lambda args: (args.labels.new_empty(args.labels.numel(), dtype=torch.int64),
-                       args.labels.new_empty((5, args.labels.numel()), dtype=torch.float32)))
+                       args.labels.new_empty((5, args.labels.numel()), dtype=args.weights.dtype)))
 
 target = define_op(
     "target",

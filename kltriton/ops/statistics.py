@@ -5,7 +5,8 @@ One op per pass, keyed on the sides (``kltriton.kernels.linear.Side``): when bot
 (GEMM tiles folded by the same ``stream`` kernel). ``statistics`` returns the ``StreamStats`` of the rows
 (``kltriton.kernels.statistics``); autograd turns the upstream gradients of its differentiable statistics into the
 gradient basis (``statistics.gradient_basis``) and ``statistics_backward`` takes them to the policy's logits, or to
-its hidden states, weight and bias.
+its hidden states, weight and bias. ``labels_here``: every scored target is a label of this vocabulary (False on a
+vocab shard, where a target ``>= V`` is a label another shard holds).
 """
 import torch
 
@@ -15,7 +16,7 @@ from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.linear.tiles import one_tile, plan
 from kltriton.kernels.stream import Upstream
-from kltriton.ops._define import (BASIS, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
+from kltriton.ops._define import (BASIS, BOOL, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
                                   define_op)
 
 
@@ -32,7 +33,7 @@ def _forward(args):
     if name == "stream":
         return (*impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target, args.temperature,
                               args.request), none)
-    if one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements):
+    if args.labels_here and one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements):
         stats, tile = impl.one_tile_forward(args.policy, args.target, args.temperature, args.request,
                                             args.tile_elements)
         return (*stats, tile)
@@ -45,7 +46,8 @@ def _forward_fake(args):
     n = args.target.shape[0]
     stats = table.empty_stats(n, args.request, lambda size: args.policy.x.new_empty(size, dtype=acc))
     tile = (0,)
-    if family(args.policy, args.ref) == "linear" and one_tile(args.policy, args.ref, n, args.tile_elements):
+    if (family(args.policy, args.ref) == "linear" and args.labels_here
+            and one_tile(args.policy, args.ref, n, args.tile_elements)):
         tile = plan(args.policy.weight.shape[0], args.tile_elements)
     return (*stats, args.policy.x.new_empty(tile, dtype=acc if len(tile) > 1 else torch.float32))
 
@@ -151,7 +153,7 @@ def _backward(saved, grads):
 statistics = define_op(
     "statistics",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
-            ("tile_elements", INT), ("backend", STR)),
+            ("tile_elements", INT), ("labels_here", BOOL), ("backend", STR)),
     outputs=(*table.NAMES, "tile"), launch=_forward, fake=_forward_fake,
     save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES, "tile"),
     backward=_backward,

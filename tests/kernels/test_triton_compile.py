@@ -55,6 +55,53 @@ COMPILE_ALL = textwrap.dedent('''
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={(3,): tl_loss.SCALE_BLOCK}),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         count += 1
+    from kltriton.kernels import constants
+    from kltriton.kernels.epilogue import triton as et
+    from kltriton.kernels.layout import triton as lt
+
+    def build(kernel, types, constexprs):
+        """``kernel`` compiled for sm_90 with these argument types (default: i64 scalars, fp32 pointers)."""
+        signature, cx = {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in constexprs:
+                signature[name] = "constexpr"
+                cx[(i,)] = constexprs[name]
+            else:
+                signature[name] = types.get(name, "i64" if not name.endswith("_ptr") else "*fp32")
+        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=cx),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+    # The [N] kernels: the layout family's targets (a shift, packed segments), its loss weights (every aggregation)
+    # and scored rows; the epilogue's KL, reward and backward (every estimator); the loss family's terms (every fused
+    # formula, without a KL, with k3, with the full KL).
+    layout_types = {"labels_ptr": "*i64", "mask_ptr": "*u8", "cu_ptr": "*i32", "temperature_ptr": "*fp64",
+                    "target_ptr": "*i64", "flags_ptr": "*i64", "adv_ptr": "*fp32", "num_tokens_ptr": "*fp64",
+                    "num_seqs_agg_ptr": "*fp64", "horizon_ptr": "*fp64", "out_ptr": "*fp32", "rows_ptr": "*bf16",
+                    "kl_coef": "fp64", "entropy_coef": "fp64"}
+    for shift in (False, True):
+        for cu in (None, "cu"):
+            absent = {} if cu else {"cu_ptr": None}
+            build(lt._target_kernel, layout_types, dict(absent, SHIFT=shift, BLOCK=lt.BLOCK))
+            count += 1
+    for aggregation in constants.AGGREGATIONS:
+        for per_seq in (False, True):
+            build(lt._weights_kernel, layout_types, dict(SHIFT=True, AGGREGATION=aggregation, PER_SEQUENCE=per_seq,
+                                                         BLOCK=lt.BLOCK))
+            count += 1
+    build(lt._scored_rows_kernel, layout_types, dict(BLOCK=256))
+    count += 1
+    epi_types = {"target_ptr": "*i64", "coef_ptr": "*fp64", "cu_ptr": "*i64", "kl_clamp": "fp64", "score_clip": "fp64"}
+    for est in ("k1", "abs", "k2", "k3", "full"):
+        for straight in ((False, True) if est in ("k1", "k3") else (False,)):
+            for kernel, given in ((et._kl_kernel, True), (et._reward_kernel, False), (et._backward_kernel, False)):
+                build(kernel, epi_types, dict(REF_GIVEN=given, ESTIMATOR=est, STRAIGHT=straight, BLOCK=et.BLOCK))
+                count += 1
+    terms_types = {"target_ptr": "*i64", "hp_ptr": "*fp64"}
+    for formula in tl_loss.formulas.FUSED:
+        for est in ("", "k3", "full"):
+            build(tl_loss._terms_kernel, terms_types, dict(REF_GIVEN=False, LOSS_TYPE=formula, ESTIMATOR=est,
+                                                            STRAIGHT=False, BLOCK=tl_loss.TERMS_BLOCK))
+            count += 1
     print("compiled", count)
 ''')
 
@@ -69,5 +116,5 @@ def test_kernels_compile_for_sm90():
     # maxima and 4 sums variants; mixed reference dtypes: forward with a reference and the backward with the log q and the
     # q terms for 3 pairs, plus the combine kernel of the fp32 policy (V = 32000 splits there), the loss kernel's variants
     # with reference logits and the JSD kernels for 3 pairs; the fused formulas that STATIC_VARIANTS leaves out; the scale
-    # kernel.
-    assert "compiled 182" in done.stdout, done.stdout
+    # kernel; the [N] kernels (layout, epilogue, the loss's terms).
+    assert "compiled 258" in done.stdout, done.stdout

@@ -27,7 +27,7 @@ def op_samples(backend):
             (None, False, False, 1.0), (None, True, False, 0.7), (ref, False, False, 1.3),
             (ref, True, True, 0.9), (ref, False, True, 1.0)):
         wanted = statistics.request(entropy=with_entropy, ref=ref_logits is not None, full_kl=with_full_kl)
-        yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, backend)
+        yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, True, backend)
     impl = dispatch.implementation("stream", backend)
     stats = impl.forward(logits.detach(), ref, target, scalar(1.0), statistics.request(entropy=True, ref=True,
                                                                                          full_kl=True))

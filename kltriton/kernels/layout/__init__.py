@@ -24,7 +24,7 @@ Backends: ``reference.py`` (PyTorch ops; also the context-parallel shift across 
 
 ``target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights) ->
 (target, prepared)``
-    ``target`` and, from it, the per-row inputs of a loss (one kernel): ``prepared [5, N]`` fp32 holds each row's
+    ``target`` and, from it, the per-row inputs of a loss (one kernel): ``prepared [5, N]`` (``weights.dtype``) holds each row's
     advantage (``weights.advantages``, ``[N]`` or ``[num_seqs]`` broadcast over its sequence with ``per_sequence``;
     0 when None), its aggregation weight (verl's ``agg_loss`` of ``weights.aggregation``, one of
     ``constants.AGGREGATIONS``, as weights over the positions with ``target != SKIP``; the sequences are the rows of
@@ -52,3 +52,4 @@ class RowWeights(NamedTuple):
     per_sequence: bool
     kl_coef: float
     entropy_coef: float
+    dtype: torch.dtype = torch.float32  # of ``prepared``: float64 on the reference backend (float64 logits) only

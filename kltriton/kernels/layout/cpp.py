@@ -11,6 +11,9 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
 
 
 def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights):
+    if weights.dtype != torch.float32:
+        raise TypeError(f"the layout family's {__name__.rsplit('.', 1)[-1]} backend makes float32 weights, not "
+                        f"{weights.dtype} (float64 runs on the reference backend)")
     cpp_library.load()
     return tuple(torch.ops.kltriton_cpp.layout_weights(
         labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags,

@@ -79,8 +79,7 @@ def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, voca
     num_seqs = labels2d.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     seqs = sequences(tgt, Rows(num_seqs, labels2d.shape[1], cu_seqlens))
     seqs = seqs._replace(horizon=weights.horizon, num_tokens=weights.num_tokens, num_seqs_agg=weights.num_seqs_agg)
-    adv = weights.advantages
-    dtype = adv.dtype if adv is not None and adv.dtype == torch.float64 else torch.float32
+    adv, dtype = weights.advantages, weights.dtype
     w = aggregation_weights(weights.aggregation, tgt != SKIP, seqs, dtype)
     adv = torch.zeros_like(w) if adv is None else (adv[seqs.seq_index] if weights.per_sequence else adv).to(dtype)
     return tgt, torch.stack([adv, w, w, w * weights.kl_coef, w * -weights.entropy_coef])

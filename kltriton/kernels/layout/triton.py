@@ -263,6 +263,9 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
 
 
 def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, weights):
+    if weights.dtype != torch.float32:
+        raise TypeError(f"the layout family's {__name__.rsplit('.', 1)[-1]} backend makes float32 weights, not "
+                        f"{weights.dtype} (float64 runs on the reference backend)")
     n, device = labels2d.numel(), labels2d.device
     out, prepared = torch.empty(n, dtype=torch.int64, device=device), torch.empty((5, n), dtype=torch.float32,
                                                                                   device=device)

@@ -515,10 +515,8 @@ def vespo(b: Batch, ratio, log_ratio):
 
 
 def kl_only(b: Batch, ratio, log_ratio):
-    """No policy-gradient term (a loss of the KL term alone: ``token_divergence``'s reverse KL on the fused kernel);
-    the ratio 1, whatever the log-probs."""
-    zero = torch.zeros_like(b.logp)
-    return zero, torch.ones_like(b.logp), _no(b), _no(b), zero
+    """No policy-gradient term: a loss of the KL term alone (``token_divergence``'s reverse KL on the fused kernel)."""
+    return torch.zeros_like(b.logp), ratio, _no(b), _no(b), log_ratio
 
 
 FORMULAS = {"kl_only": kl_only, "ppo": ppo, "cispo": cispo, "sapo": sapo, "gpg": gpg, "dppo_tv": _dppo(False), "dppo_kl": _dppo(True),

@@ -133,10 +133,8 @@ def _pg_terms(lp, old, d, adv, hp_ptr, LOSS_TYPE: tl.constexpr):
     ratio = tl.exp(log_ratio)
     clip = rows.clamp(ratio, tl.load(hp_ptr + HP_RATIO_LOW), tl.load(hp_ptr + HP_RATIO_HIGH))
     no = adv != adv  # False, NaN aside (a NaN advantage is NaN everywhere anyway)
-    if LOSS_TYPE == "kl_only":  # no policy-gradient term, the ratio 1
+    if LOSS_TYPE == "kl_only":  # no policy-gradient term
         pg, clipped, lower = tl.zeros_like(adv), no, no
-        ratio = tl.zeros_like(adv) + 1.0
-        log_ratio = tl.zeros_like(adv)
     elif LOSS_TYPE == "ppo":
         pg1 = -adv * tl.minimum(ratio, tl.load(hp_ptr + HP_DELTA))
         pg2 = -adv * clip

@@ -178,7 +178,7 @@ def _stream_backward_kernel(
             basis = rows.load_basis(basis_ptr, row, TERMS)
         else:
             basis = rows.upstream_basis(row, g_logp_ptr, g_entropy_ptr, g_full_kl_ptr, g_forward_kl_ptr, entropy_ptr,
-                                        full_kl_ptr, inv_temperature)
+                                        full_kl_ptr, temperature_ptr, temperature_stride)
         grad = rows.grad_block(x, y, offs, target, lse, ref_lse, basis, inv_temperature, TERMS)
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
     else:
