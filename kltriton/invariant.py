@@ -24,6 +24,7 @@ import torch
 
 from kltriton import dispatch
 from kltriton._env import invariant_default
+from kltriton._autograd import first_order
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.invariant import pack, unpack
@@ -157,6 +158,7 @@ class _Dense(torch.autograd.Function):
         return stats.logp, stats.lse, stats.entropy
 
     @staticmethod
+    @first_order("the invariant mode's dense statistics")
     def backward(ctx, g_logp, _g_lse, g_entropy):
         logits, target, own, temperature, floor, logp, lse, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[1] or (g_logp is None and g_entropy is None):
@@ -211,6 +213,7 @@ class _Linear(torch.autograd.Function):
         return stats.logp, stats.lse, stats.entropy
 
     @staticmethod
+    @first_order("the invariant mode's LM-head statistics")
     def backward(ctx, g_logp, _g_lse, g_entropy):
         hidden, weight, bias, scale, softcap, read, label, temperature, logp, lse, entropy = ctx.saved_tensors
         needs_grad = ctx.needs_input_grad[4:7]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kltriton._env import launched_world_size
+from kltriton._autograd import first_order
 from kltriton._inputs import host_checks
 from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
 from kltriton.kernels.linear import Side
@@ -272,6 +273,7 @@ class _Merged(torch.autograd.Function):
         return tuple(stats)
 
     @staticmethod
+    @first_order("a vocab-parallel pass")
     def backward(ctx, *grads):
         target, own, *rest = ctx.saved_tensors
         tensors, stats = rest[:-len(statistics.NAMES)], StreamStats(*rest[-len(statistics.NAMES):])
@@ -359,6 +361,7 @@ class _Summed(torch.autograd.Function):
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
+    @first_order("a vocab-parallel sum")
     def backward(ctx, *grads):
         target, *rest = ctx.saved_tensors
         tensors, outputs = rest[:ctx.n_tensors], rest[ctx.n_tensors:]

@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from kltriton._autograd import first_order
 from kltriton.kernels.constants import GRADIENT_BASIS
 from kltriton.kernels.linear import Side
 from kltriton.kernels.loss import LossInputs
@@ -180,6 +181,7 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
             return tuple(outs[i] for i in ctx.differentiable)
 
         @staticmethod
+        @first_order(f"kltriton::{op.overload.name().split('::')[-1]}")
         def backward(ctx, *returned):
             grads = dict.fromkeys(op.outputs)
             for i, grad in zip(ctx.differentiable, returned):
@@ -246,6 +248,7 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
             return output
 
         @staticmethod
+        @first_order(f"kltriton::{name}")
         def backward(ctx, *grads):
             flat = [None] * (n_inputs + len(op.outputs))
             for i, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):

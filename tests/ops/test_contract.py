@@ -146,3 +146,32 @@ def test_verl_straight_through_estimators(backend, name, base):
     assert_close(results[name][1], results[base if name == "mse+" else "k2"][1], 1e-7, 1e-6, what="grad")
     with pytest.raises(ValueError, match="estimator"):
         kltriton.token_kl(logits, ref, labels, estimator="full+")
+
+
+@pytest.mark.parametrize("call", ["token_logprobs", "token_kl", "fused_kl_reward", "policy_loss", "linear"])
+def test_double_backward_is_a_clear_error(backend, call):
+    """The backward runs kernels: a first-order gradient with create_graph=True works, and a second derivative through
+    it is an error naming kltriton and the op on every backend (it was a silently wrong value on the reference)."""
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    x = torch.randn(2, 3, 11, generator=gen, dtype=dtype, requires_grad=True)
+    ref = torch.randn(2, 3, 11, generator=gen, dtype=dtype)
+    labels = torch.randint(0, 11, (2, 3), generator=gen)
+    if call == "token_logprobs":
+        out = kltriton.token_logprobs(x, labels, return_entropy=True, backend=backend)
+        value = (out[0] ** 2).sum() + out[1].sum()
+    elif call == "token_kl":
+        value = (kltriton.token_kl(x, ref, labels, estimator="k3", backend=backend).kl ** 2).sum()
+    elif call == "fused_kl_reward":
+        value = (kltriton.fused_kl_reward(x, ref, labels, backend=backend).reward ** 2).sum()
+    elif call == "policy_loss":
+        adv = torch.randn(2, generator=gen, dtype=dtype, requires_grad=True)
+        value = kltriton.policy_loss(x, labels, adv * 2, ref=ref, kl_coef=0.1, backend=backend).loss
+    else:
+        w = torch.randn(11, 4, generator=gen, dtype=dtype)
+        h = torch.randn(2, 3, 4, generator=gen, dtype=dtype, requires_grad=True)
+        out = kltriton.token_logprobs(kltriton.LinearLogits(h, w), labels, backend=backend)
+        value, x = (out ** 2).sum(), h
+    (grad,) = torch.autograd.grad(value, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="kltriton.*no second derivative"):
+        torch.autograd.grad(grad.square().sum(), x)

@@ -6,6 +6,7 @@ import torch
 
 from kltriton.kernels.linear import Side, scaled_and_capped
 from kltriton.kernels.statistics import StreamStats
+from kltriton._autograd import first_order
 
 
 def head(side, start: int, stop: int) -> torch.Tensor:
@@ -36,6 +37,7 @@ class _Tiles(torch.autograd.Function):
         return tuple(stats)
 
     @staticmethod
+    @first_order("a truncated LM head's tiles")
     def backward(ctx, *grads):
         hidden, weight, bias = ctx.saved_tensors
         rows_fn, tile_rows, n, head_fn, side_tensors = ctx.meta

@@ -17,6 +17,7 @@ and repetitions of its ids and of the other rows: the row's reductions are a max
 import torch
 
 from kltriton.kernels.linear import scaled_and_capped
+from kltriton._autograd import first_order
 
 
 def shard_ids(ids: torch.Tensor, start: int, width: int) -> torch.Tensor:
@@ -42,6 +43,7 @@ class _Projection(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("replay's LM-head columns")
     def backward(ctx, grad):
         hidden, weight, bias, ids, scale, softcap = ctx.saved_tensors
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
