@@ -4,13 +4,12 @@ Everything here is ``O(N)`` work on the label side. It turns ``labels`` / ``mask
 ``ignore_index`` / ``cu_seqlens`` / ``shift_labels`` into one flat ``target`` (see
 ``kltriton.kernels``) so the kernels only ever see ``[N, V]`` rows and a label per row.
 """
-import collections
 import math
-from typing import Optional
 
 import torch
 
-from kltriton import dispatch
+from kltriton import collectives, dispatch
+from kltriton._values import runtime_scalar
 from kltriton.kernels.layout import reference as layout_reference
 from kltriton.ops import layout as layout_ops
 from kltriton.ops.layout import flag_vector, raise_flagged
@@ -57,77 +56,6 @@ def check_logits(logits, name="logits"):
         raise ValueError(f"{name} must have shape [..., V], got a 0-dim tensor")
     if logits.shape[-1] == 0:
         raise ValueError(f"{name} has an empty vocabulary dimension (V == 0)")
-
-
-def check_float(name: str, value, *, above=None, at_least=None, allow_none: bool = False):
-    """``value`` as a python float: a real number (not a bool or a tensor), finite, ``> above`` and
-    ``>= at_least`` when given; ``None`` passes when ``allow_none``. Every float option of every op goes
-    through here (a NaN passes every ``<`` / ``>`` check, so each range check alone would let it through).
-    While ``torch.compile`` traces, the float is a graph input and is returned unchecked (a comparison
-    would specialize the graph on its value)."""
-    if value is None:
-        if allow_none:
-            return None
-        raise TypeError(f"{name} must be a python float, got None")
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a python float{' or None' if allow_none else ''}, got "
-                        f"{type(value).__name__}")
-    if torch.compiler.is_compiling():
-        return value
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if above is not None and not value > above:
-        raise ValueError(f"{name} must be > {above}, got {value}")
-    if at_least is not None and not value >= at_least:
-        raise ValueError(f"{name} must be >= {at_least}, got {value}")
-    return value
-
-
-_SCALARS = collections.OrderedDict()  # (device, value.hex()) -> 0-dim float64 tensor, most recent last
-SCALAR_CACHE_SIZE = 256
-
-
-def runtime_scalar(value, device) -> torch.Tensor:
-    """A python float as a 0-dim float64 tensor on ``device``, the form the custom ops take.
-
-    A float argument of a custom op is baked into the graph by ``torch.compile`` (a new value
-    recompiles); a tensor is data. While ``torch.compile`` traces, it is written as ``ones * value``
-    (kernels with the value as an argument: no host-to-device copy) because Dynamo turns a traced float
-    into a graph input only where it meets tensor arithmetic, and would specialize ``torch.full((), value)``.
-    In eager calls the tensor of each value is made once per device and kept (the ``SCALAR_CACHE_SIZE`` most
-    recent values): on a GPU every small tensor made per call is a kernel launch. Nobody writes to it.
-    """
-    if torch.compiler.is_compiling():
-        return torch.ones((), dtype=torch.float64, device=device) * value
-    key = (device, float(value).hex())  # hex: -0.0 and 0.0 are two values
-    scalar = _SCALARS.get(key)
-    if scalar is None:
-        scalar = torch.full((), value, dtype=torch.float64, device=device)
-        if not _capturing(scalar.device):  # made inside a CUDA graph capture: the graph's memory, not kept
-            _SCALARS[key] = scalar
-            if len(_SCALARS) > SCALAR_CACHE_SIZE:
-                _SCALARS.popitem(last=False)
-    return scalar
-
-
-def constant_vector(values, device) -> torch.Tensor:
-    """Python floats as one float64 vector on ``device``, made once per device and set of values and kept with the
-    scalars of ``runtime_scalar`` (eager calls only: while ``torch.compile`` traces, build it from
-    ``runtime_scalar``s). Nobody writes to it."""
-    key = (device, tuple(float(v).hex() for v in values))
-    vector = _SCALARS.get(key)
-    if vector is None:
-        vector = torch.tensor(values, dtype=torch.float64).to(device)
-        if not _capturing(vector.device):
-            _SCALARS[key] = vector
-            if len(_SCALARS) > SCALAR_CACHE_SIZE:
-                _SCALARS.popitem(last=False)
-    return vector
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_temperature(temperature, device, shape=None) -> torch.Tensor:
@@ -200,7 +128,6 @@ def _check_cu_seqlens(cu_seqlens, shape, device, total=None):
 def _from_next_slice(labels, mask, split, ignore_index):
     """``(labels, mask)`` after this rank's slice: the first position's of the next rank that holds one (shape
     ``labels.shape[:-1]``), ``ignore_index`` / False after the last slice. One all-gather (``parallel``)."""
-    from kltriton import parallel
 
     rows = labels.shape[:-1]
     width = labels.shape[-1]
@@ -209,7 +136,7 @@ def _from_next_slice(labels, mask, split, ignore_index):
     if mask is not None:
         parts.append((mask[..., 0] if width else torch.zeros(rows, dtype=torch.bool, device=mask.device))
                      .reshape(-1).long())
-    values, present = parallel.from_next_rank(torch.cat(parts), split)
+    values, present = collectives.from_next_rank(torch.cat(parts), split)
     count = rows.numel()
     next_labels = torch.where(present, values[:count], torch.full_like(values[:count], ignore_index)).view(rows)
     next_mask = None if mask is None else ((values[count:] != 0) & present).view(rows)
@@ -244,7 +171,7 @@ class Layout:
         self.shape = shape            # S, the leading shape of the logits (shape of every output)
         self.num_seqs = num_seqs      # rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
         self.cu_seqlens = cu_seqlens  # the packed offsets (global under a split), or None
-        self.split = split            # this rank's parallel.SequenceSplit, or None
+        self.split = split            # this rank's collectives.SequenceSplit, or None
         self._source = source         # the layout op's arguments and the checks' context (None: target is given)
         self._target, self._position, self._seq_index = target, None, None
 
@@ -309,7 +236,7 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     ``backend``: the user's choice (``kltriton.dispatch`` resolves it for the ``layout`` family); ``float64``: the
     logits are float64 (the reference backend's oracle mode: a loss's row weights in float64 too).
 
-    ``split``: this rank's ``parallel.SequenceSplit`` (a sequence group): ``shape`` is this rank's slice of the
+    ``split``: this rank's ``collectives.SequenceSplit`` (a sequence group): ``shape`` is this rank's slice of the
     sequence dimension (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``); the shift
     takes the last position's label and mask from the next rank's slice (one all-gather, every rank calls it), and
     sequences and positions are the global ones. That route is the reference backend's, with host checks."""

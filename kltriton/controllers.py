@@ -11,7 +11,7 @@ from typing import Sequence, Union
 
 import torch
 
-from kltriton._inputs import check_float
+from kltriton._values import check_float
 
 Number = Union[float, torch.Tensor]
 

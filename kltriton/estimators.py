@@ -16,6 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton._values import check_float
+
 ESTIMATORS = ("k1", "abs", "k2", "k3", "full")
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
@@ -101,6 +103,5 @@ def parse(estimator, *, ref_logits: bool = True, argument: str = "estimator") ->
 
 def check_kl_clamp(kl_clamp) -> Optional[float]:
     """``kl_clamp``: None (no clamp) or a finite float ``> 0``."""
-    from kltriton._inputs import check_float
 
     return check_float("kl_clamp", kl_clamp, above=0.0, allow_none=True)

@@ -21,15 +21,17 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import _dtensor, parallel
-from kltriton._inputs import LOGIT_DTYPES, Layout, build_layout, check_logits, check_temperature, runtime_scalar
+from kltriton._inputs import LOGIT_DTYPES, Layout, build_layout, check_logits, check_temperature
+from kltriton._values import runtime_scalar
 from kltriton.kernels.linear import Side
 from kltriton.kernels.linear.tiles import default_tile_elements
 from kltriton.linear_logits import LinearLogits
 from kltriton.topk import TopK
 from kltriton.truncation import Truncation, check_truncation
+from kltriton import collectives
 
 local_rows = _dtensor.local_rows
-check_group = parallel.check_group
+check_group = collectives.check_group
 
 
 class Call(NamedTuple):
@@ -44,7 +46,7 @@ class Call(NamedTuple):
     shard: Optional[parallel.VocabShard]   # this rank's vocab shard, or None
     backend: Optional[str]                 # the user's choice; kltriton.route resolves it per family
     tile_elements: int                     # working tile of a projected side (0 without one)
-    split: Optional[parallel.SequenceSplit] = None  # this rank's slice of the sequences (a sequence group), or None
+    split: Optional[collectives.SequenceSplit] = None  # this rank's slice of the sequences (a sequence group), or None
 
     @property
     def sequence_group(self):
@@ -141,7 +143,7 @@ def _shard(axis, process_group, vocab_start, side: Side, rows: int) -> Optional[
     ``vocab_start`` (``parallel.vocab_shard``)."""
     if axis is None:
         return parallel.vocab_shard(_width(side), rows, side.x.device, process_group, vocab_start)
-    if process_group is not None and not parallel.same_group(process_group, axis.group):
+    if process_group is not None and not collectives.same_group(process_group, axis.group):
         raise ValueError("process_group is not the group of the mesh dimension that shards the DTensor's vocabulary "
                          f"(mesh dimension {axis.mesh_dim} of {axis.mesh}): pass process_group=None with DTensors, "
                          "or that dimension's group (mesh.get_group(dim))")
@@ -151,7 +153,7 @@ def _shard(axis, process_group, vocab_start, side: Side, rows: int) -> Optional[
     return parallel.chunked_shard(axis.group, axis.start, _width(side), axis.vocab)
 
 
-def _split(axis, sequence_group, leading, device) -> Optional[parallel.SequenceSplit]:
+def _split(axis, sequence_group, leading, device) -> Optional[collectives.SequenceSplit]:
     """The call's ``SequenceSplit``: from a DTensor's sequence axis (no collective), or from ``sequence_group``
     (``parallel.sequence_split``: one small all-gather)."""
     if axis is None and sequence_group is None:
@@ -160,7 +162,7 @@ def _split(axis, sequence_group, leading, device) -> Optional[parallel.SequenceS
         raise ValueError("sequence_group needs logits with a sequence dimension: [B, T, V] or packed [N, V]")
     if axis is None:
         return parallel.sequence_split(leading[-1], leading[:-1].numel(), len(leading), device, sequence_group)
-    if sequence_group is not None and not parallel.same_group(sequence_group, axis.group):
+    if sequence_group is not None and not collectives.same_group(sequence_group, axis.group):
         raise ValueError("sequence_group is not the group of the mesh dimension that shards the DTensor's sequence "
                          f"dimension (mesh dimension {axis.mesh_dim} of {axis.mesh}): pass sequence_group=None with "
                          "DTensors, or that dimension's group (mesh.get_group(dim))")

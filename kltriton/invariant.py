@@ -35,6 +35,7 @@ from kltriton.ops import invariant as invariant_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
 from kltriton.ops._define import NeedsGrad
+from kltriton import collectives
 
 _ENABLED = invariant_default()
 
@@ -93,9 +94,8 @@ def setup(shard, request: int, backend: str, width: int) -> Setup:
 
 
 def _collectives():
-    from kltriton import parallel
 
-    return parallel.all_reduce_max, parallel.all_reduce
+    return collectives.all_reduce_max, collectives.all_reduce
 
 
 def localize(target, start, size):

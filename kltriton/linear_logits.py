@@ -7,7 +7,8 @@ Accepted wherever kltriton accepts logits (``kltriton.route`` sends it to the ``
 import torch
 
 from kltriton._dtensor import zero3_placeholder
-from kltriton._inputs import LOGIT_DTYPES, check_float
+from kltriton._inputs import LOGIT_DTYPES
+from kltriton._values import check_float
 
 
 class LinearLogits:

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from kltriton import dispatch, invariant, parallel
-from kltriton._inputs import runtime_scalar
+from kltriton._values import runtime_scalar
 from kltriton.front_door import Call
 from kltriton.kernels import OUT_OF_RANGE, constants
 from kltriton.kernels import statistics as table
@@ -57,6 +57,7 @@ from kltriton.ops import loss as loss_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
 from kltriton.ops._define import NeedsGrad
+from kltriton import collectives
 
 
 def family(call: Call) -> str:
@@ -153,12 +154,12 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
         own = ids if shard is None else replay.shard_ids(ids, shard.start, shard.size)
         if side.weight is not None:
             if group is not None:
-                side = side._replace(x=parallel.replicated(side.x, group))
+                side = side._replace(x=collectives.replicated(side.x, group))
             values = replay.project(side, own, call.tile_elements)
         else:
             values = truncation_ops.replay_columns(side.x, own, name)
         if group is not None:
-            values = parallel.sum_over_ranks(values, group)
+            values = collectives.sum_over_ranks(values, group)
         return truncation_ops.replay_statistics(values, ids, target, temperature, request, name)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
     name = backend(call, "truncation")
@@ -176,7 +177,7 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
     if side.weight is None:
         return dense(side.x, target, temperature, knobs)
     if group is not None:
-        side = side._replace(x=parallel.replicated(side.x, group))
+        side = side._replace(x=collectives.replicated(side.x, group))
 
     def tile(rows, start, stop):
         row_temperature = temperature if temperature.dim() == 0 else temperature[start:stop]
@@ -186,7 +187,7 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
         return truncation_linear.statistics(side, tile, invariant.head_rows(device), invariant.head)
     # Every rank must cut the rows into the same tiles (their floors take collectives): the widest shard decides.
     local_width = side.weight.shape[0]
-    width = local_width if group is None else parallel.widest_shard(local_width, device, group)
+    width = local_width if group is None else collectives.widest_shard(local_width, device, group)
     tile_rows = max(1, call.tile_elements // width)
     return truncation_linear.statistics(side, tile, tile_rows)
 

@@ -13,7 +13,7 @@ import torch
 
 from kltriton.kernels import constants
 from kltriton.kernels.row_views import as_rows3d
-from kltriton.parallel import all_reduce, all_reduce_max
+from kltriton.collectives import all_reduce, all_reduce_max
 
 THRESHOLDS_PER_ROUND = 15  # thresholds per collective round of the floor search: 16-way, 8 rounds for 32 bits
 _KEY_FLIP = 0x7FFFFFFF

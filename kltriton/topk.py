@@ -5,7 +5,7 @@ log-probs at the same ids).
 """
 import torch
 
-from kltriton._inputs import check_float
+from kltriton._values import check_float
 
 
 class TopK:

@@ -35,7 +35,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from kltriton import controllers, token_kl, token_logprobs
 from kltriton import estimators
-from kltriton._inputs import check_float
+from kltriton._values import check_float
 
 TOKENS = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")

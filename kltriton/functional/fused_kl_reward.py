@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators
-from kltriton._inputs import check_float, runtime_scalar
+from kltriton._values import check_float, runtime_scalar
 from kltriton.front_door import enter, local_rows
 from kltriton.functional.token_kl import kl_of_call
 from kltriton.kernels.epilogue import Shaping

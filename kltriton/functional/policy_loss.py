@@ -16,11 +16,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from kltriton import estimators, route
-from kltriton._inputs import check_float, runtime_scalar
+from kltriton._values import check_float, runtime_scalar
 from kltriton.front_door import Call, check_group, enter, local_rows
 from kltriton.kernels import SKIP, accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import LossInputs, terms, weights
-from kltriton.kernels.loss.weights import AGGREGATIONS, IS_MODES, Sequences
+from kltriton.kernels.loss.weights import IS_MODES, Sequences
 from kltriton.kernels.layout import RowWeights
 
 IS_LEVELS = ("token", "sequence")
@@ -76,7 +76,7 @@ def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, c
     ``(entropy_coef, compute_entropy, token_mask_entropy_quantile)``."""
     spec = terms.loss_type_of(loss_type)
     settings = terms.settings(loss_type, loss_parameters, **settings_given)
-    _check_choice("aggregation", settings.aggregation, AGGREGATIONS)
+    _check_choice("aggregation", settings.aggregation, constants.AGGREGATIONS)
     _check_choice("importance_sampling_level", level, IS_LEVELS, allow_none=False)
     if level == "sequence" and not spec.sequence_level:
         raise ValueError(f"importance_sampling_level='sequence' applies to the loss types with a TRL counterpart "
@@ -580,8 +580,8 @@ def policy_loss(
         check_group(entropy_quantile_group, "entropy_quantile_group")
     loss = loss._replace(quantile_group=call.sequence_group if entropy_quantile_group is None
                          else entropy_quantile_group)
-    _check_choice("entropy_aggregation", entropy_aggregation, AGGREGATIONS)
-    _check_choice("pg_aggregation", pg_aggregation, AGGREGATIONS)
+    _check_choice("entropy_aggregation", entropy_aggregation, constants.AGGREGATIONS)
+    _check_choice("pg_aggregation", pg_aggregation, constants.AGGREGATIONS)
     aggregations = _Aggregations(loss.settings.aggregation, pg_aggregation, entropy_aggregation,
                                  loss.formula == "geo_mean")
     loss, sampling = _sampling(loss, old_logprobs, rollout_logprobs, is_mode, is_cap, is_min,

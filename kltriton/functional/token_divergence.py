@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from kltriton import route
-from kltriton._inputs import check_float, host_checks, runtime_scalar
+from kltriton._inputs import host_checks
+from kltriton._values import check_float, runtime_scalar
 from kltriton.front_door import enter
 from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
 from kltriton.kernels.layout import RowWeights

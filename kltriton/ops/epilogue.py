@@ -1,7 +1,6 @@
 """The epilogue family as custom ops: ``kltriton::kl_reward`` (the per-token KL estimator, and the reward shaping
 with each sequence's mean KL) and its gradient ``kltriton::kl_reward_backward`` (``kltriton.kernels.epilogue``): one
 kernel each way instead of a string of ``[N]`` tensor ops."""
-import torch
 
 from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype

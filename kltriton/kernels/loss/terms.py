@@ -28,9 +28,10 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from kltriton import estimators
-from kltriton._inputs import check_float, constant_vector, runtime_scalar
+from kltriton._values import check_float, constant_vector, runtime_scalar
 from kltriton.kernels import constants
 from kltriton.kernels.loss.weights import Sequences
+from kltriton import collectives
 
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps the log of the GSPO token ratio at 10
 VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps VESPO's token log-ratios to +-20, its sequence log-weight to
@@ -560,13 +561,12 @@ def entropy_keep(entropy, scored, quantile, group=None):
     ``quantile`` of the scored rows' entropies (0-dim fp32; TRL's ``get_high_entropy_mask``: ``torch.quantile``'s
     linear interpolation, ``>=``), with no host sync. ``quantile`` a python float in ``[0, 1]``; no row is kept
     when none is scored. ``group``: the quantile of the scored rows of every rank of the group (TRL gathers every
-    process's; a sequence group's ranks hold the batch): their entropies are gathered (``parallel.gather_padded``:
+    process's; a sequence group's ranks hold the batch): their entropies are gathered (``collectives.gather_padded``:
     two all-gathers, the lengths read on the host)."""
     values = torch.where(scored, entropy.float(), torch.full_like(entropy, float("inf"), dtype=torch.float32))
     if group is not None:
-        from kltriton import parallel
 
-        values = parallel.gather_padded(values, float("inf"), group)
+        values = collectives.gather_padded(values, float("inf"), group)
     ordered = torch.sort(values).values
     count = (values != float("inf")).sum() if group is not None else scored.sum()
     rank = (count - 1).clamp(min=0).to(torch.float32) * quantile

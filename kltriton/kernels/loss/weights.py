@@ -7,7 +7,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton.kernels.constants import AGGREGATIONS  # the one list, shared with the kernels
+from kltriton import collectives
+from kltriton._values import runtime_scalar
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -43,9 +44,8 @@ class Sequences(NamedTuple):
         """The elementwise maximum of ``values`` over the group's ranks (no gradient)."""
         if self.group is None:
             return values
-        from kltriton import parallel
 
-        return parallel.all_reduce_max(values.detach().contiguous(), self.group)
+        return collectives.all_reduce_max(values.detach().contiguous(), self.group)
 
     def last(self, rows):
         """``[N]`` bool: the last of ``rows`` in each sequence (on whichever rank holds it)."""
@@ -65,9 +65,8 @@ class Sequences(NamedTuple):
         """``out`` (any shape) summed over the group's ranks (as ``sum``)."""
         if self.group is None:
             return out
-        from kltriton import parallel
 
-        return parallel.sum_over_ranks(out, self.group) if replicated else parallel.sum_of_parts(out, self.group)
+        return collectives.sum_over_ranks(out, self.group) if replicated else collectives.sum_of_parts(out, self.group)
 
 
 class RowCounts(NamedTuple):
@@ -105,14 +104,13 @@ def aggregation_weights(aggregation: str, rows, sequences: Sequences, dtype, *, 
 
 def default_horizon(shape, cu_seqlens, device, split=None) -> torch.Tensor:
     """The padded length: ``T`` of ``[B, T]``, the longest packed segment, or ``N`` for one flat sequence (0-dim
-    float64); under a sequence ``split`` (``parallel.SequenceSplit``) the global ``T`` / ``N``."""
+    float64); under a sequence ``split`` (``collectives.SequenceSplit``) the global ``T`` / ``N``."""
     if len(shape) < 2 and cu_seqlens is not None and cu_seqlens.numel() > 1:
         return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64)
     length = (shape[-1] if len(shape) >= 2 else shape.numel()) if split is None else split.total
     if isinstance(length, torch.Tensor):  # a split's total learned on the device
         length = length.to(torch.float64)
         return length if len(shape) >= 2 else length.clamp(min=1)
-    from kltriton._inputs import runtime_scalar
 
     return runtime_scalar(length if len(shape) >= 2 else max(length, 1), device)
 
