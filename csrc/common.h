@@ -257,6 +257,9 @@ inline Vec vexpz(const Vec& z) { return vexp2(z); }
 // Running max; NaN need not propagate here because vexp keeps NaN (the sums become NaN).
 inline Vec vmax(const Vec& a, const Vec& b) { return _mm512_max_ps(a, b); }
 
+// The largest lane, in every lane (NaN need not propagate, as for vmax).
+inline Vec hmax(const Vec& v) { return Vec(_mm512_reduce_max_ps(v)); }
+
 // acc + (e != 0 ? c : 0): a term with no probability mass is 0 even when c is inf / NaN.
 inline Vec add_where_pos(const Vec& acc, const Vec& e, const Vec& c) {
   const __mmask16 k = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
@@ -276,6 +279,15 @@ inline Vec vexp(const Vec& z) { return z.exp_u20(); }
 inline Vec vexpz(const Vec& z) { return z.exp_u20(); }
 
 inline Vec vmax(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
+
+// The largest lane, in every lane; NaN propagates (as for vmax).
+inline Vec hmax(const Vec& v) {
+  alignas(64) float a[kW];
+  v.store(a);
+  float m = a[0];
+  for (int64_t l = 1; l < kW; ++l) m = (std::isnan(m) || a[l] <= m) ? m : a[l];
+  return Vec(m);
+}
 
 inline Vec add_where_pos(const Vec& acc, const Vec& e, const Vec& c) {
   const Vec zero(0.f);

@@ -65,10 +65,12 @@ void run_loss(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d
         backward_row<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k);
         continue;
       }
-      // p = e * exp(frame / T - lse): one exponential per block and lane instead of one per entry
+      // p = e * exp(frame / T - lse): one exponential per block instead of one per entry (every lane of a block
+      // holds the same frame, row_forward.h)
       const double inv_t = static_cast<double>(hi) + lo, lse = r.v[kStatLse];
-      for (int64_t i = 0; i < blocks * kW; ++i) {
-        scale[i] = static_cast<float>(std::min(std::exp(cache.frames[i] * inv_t - lse), double{kMaxFloat}));
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float f = static_cast<float>(std::min(std::exp(cache.frames[b * kW] * inv_t - lse), double{kMaxFloat}));
+        std::fill(scale + b * kW, scale + (b + 1) * kW, f);
       }
       backward_row_cached<T, T, BMODE>(X.row<T>(n), y, g, V, tg, k, cache.e, scale, block_len);
     }

@@ -5,13 +5,14 @@
 //
 // Numerics (as the Triton kernel): exponents are in units of kZUnit nats (base 2 on AVX512, where
 // 2^z costs one multiply less than e^z; natural elsewhere), c = 1 / (T kZUnit). The running max m
-// is kept in raw logit units per SIMD lane and z = (x - m) * c <= 0: the max itself has z = 0 and
+// is the row's, in raw logit units, and z = (x - m) * c <= 0: the max itself has z = 0 and
 // e = 1 exactly, x - m is exact for the values that matter (Sterbenz) and may overflow only to
 // -inf (e = 0), and the rounding of c (relative 6e-8) scales every z alike. The vocabulary is
-// streamed in L1-sized blocks: the block max is taken first, the lane state (s = sum e^z,
-// t = sum e^z z, u = sum e^zx (hx - hy), v = sum e^zy (hy - hx), e^z meaning exp(z kZUnit)) is rescaled
-// once per block, then the block's exponentials are accumulated from L1. Each row is read from memory once.
-// The SIMD lanes are combined in double at the end of the row.
+// streamed in L1-sized blocks: the block max is taken first (across the SIMD lanes, so every lane holds the
+// row's frame, as the Triton kernel's), the lane state (s = sum e^z, t = sum e^z z, u = sum e^zx (hx - hy),
+// v = sum e^zy (hy - hx), e^z meaning exp(z kZUnit)) is rescaled once per block, then the block's exponentials
+// are accumulated from L1. Each row is read from memory once. The SIMD lanes are summed in double at the end of
+// the row: with one frame, no lane needs an exponential there (on a short row those were most of its cost).
 //
 // The KL sums u and v are kept in the units of h = (x - m) kH with kH = 2^-33, not in z units: a finfo.min
 // logit under the other side's mass has a z beyond fp32 (times c = log2(e) / T) while its term, and the row's
@@ -123,6 +124,8 @@ struct LaneState {
       bx = vmax(bx, ldx(i));
       if constexpr (REF) by = vmax(by, ldy(i));
     }
+    bx = hmax(bx);
+    if constexpr (REF) by = hmax(by);
     // Rescale the lane sums to the new frame. A lane that was empty (max -inf) has zero sums
     // and gets a factor 0 (avoids exp(+big) * 0). A factor that underflows to 0 (the max grew
     // by > ~100, e.g. from finfo.min to finfo.max, where dx itself overflows to +inf) makes
@@ -209,8 +212,8 @@ struct LaneState {
 };
 
 // The exponentials of a row's forward kept for its gradient pass (the fused loss, loss_forward.cpp), so that
-// each element's exponential is computed once: e[v] = exp((x_v - frame) / T) with frame the running max of v's
-// lane when v's block was folded, frames[b * kW + l] that frame for block b (of kBlockVecs vectors) and lane l.
+// each element's exponential is computed once: e[v] = exp((x_v - frame) / T) with frame the row's running max
+// when v's block was folded, frames[b * kW + l] that frame for block b (of kBlockVecs vectors) in every lane l.
 // e holds the padded vocabulary (a multiple of kW); the tail block is the last one.
 struct ExpCache {
   float* e;
@@ -228,32 +231,17 @@ struct Combined {
   double s = 0.0, t = 0.0;
 };
 
-// Combine per-lane (m, frame mi, s[, t]) into row totals relative to the largest frame;
-// scale = 1 / (T kZUnit).
-inline Combined combine_lanes(const float* m, const float* mi, const float* s, const float* t, double scale) {
+// Combine the lanes' (m, frame mi, s[, t]) into row totals. Every lane holds the row's max and frame (the block
+// maxima are taken across lanes), so the totals are the lanes' sums, in double and in lane order.
+inline Combined combine_lanes(const float* m, const float* mi, const float* s, const float* t) {
   Combined c;
-  c.mi = -std::numeric_limits<double>::infinity();
-  bool any = false;
-  for (int64_t l = 0; l < kW; ++l) {
-    if (std::isnan(m[l]) || m[l] == kInf || std::isnan(mi[l])) {
-      c.bad = true;
-    } else if (m[l] != -kInf) {
-      any = true;
-      c.mi = std::max(c.mi, static_cast<double>(mi[l]));
-    }
-  }
-  c.dead = !any;
+  c.bad = std::isnan(m[0]) || m[0] == kInf || std::isnan(mi[0]);
+  c.dead = !c.bad && m[0] == -kInf;
   if (c.bad || c.dead) return c;
-  // The lanes' factors exp(-d kZUnit) in double, a vector of lanes at a time (one exponential per lane and row was
-  // most of a short row's cost), then summed in lane order.
-  using VecD = at::vec::Vectorized<double>;
-  alignas(64) double d[kW], a[kW];
-  for (int64_t l = 0; l < kW; ++l) d[l] = m[l] == -kInf ? 0.0 : (c.mi - static_cast<double>(mi[l])) * scale;
-  for (int64_t l = 0; l < kW; l += VecD::size()) (VecD::loadu(d + l) * VecD(-kZUnit)).exp().store(a + l);
+  c.mi = mi[0];
   for (int64_t l = 0; l < kW; ++l) {
-    if (m[l] == -kInf) continue;
-    c.s += a[l] * s[l];
-    if (t != nullptr) c.t += a[l] * (static_cast<double>(t[l]) - d[l] * s[l]);
+    c.s += s[l];
+    if (t != nullptr) c.t += t[l];
   }
   return c;
 }
@@ -313,7 +301,7 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
   st.mix.store(amix);
   st.sx.store(asx);
   st.tx.store(atx);
-  const Combined cx = combine_lanes(amx, amix, asx, ENT ? atx : nullptr, c);
+  const Combined cx = combine_lanes(amx, amix, asx, ENT ? atx : nullptr);
 
   RowOut r;
   for (int i = 0; i < kNumStats; ++i) r.v[i] = kNaN;
@@ -335,7 +323,7 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
     st.my.store(amy);
     st.miy.store(amiy);
     st.sy.store(asy);
-    const Combined cy = combine_lanes(amy, amiy, asy, nullptr, c);
+    const Combined cy = combine_lanes(amy, amiy, asy, nullptr);
     if (cy.bad) {
       r.v[kStatRefLse] = kNaN;
     } else if (cy.dead) {
@@ -351,14 +339,7 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
           alignas(64) float au[kW];
           st.u.store(au);
           double U = 0.0;  // in the units of h
-          for (int64_t l = 0; l < kW; ++l) {
-            if (amx[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
-            const double a = std::exp(-dxl / kH * c * kZUnit);
-            if (a == 0.0) continue;  // no mass left in double: skip (its u may be inf)
-            U += a * (static_cast<double>(au[l]) - (dxl - dyl) * asx[l]);
-          }
+          for (int64_t l = 0; l < kW; ++l) U += au[l];
           const double scale = c * kZUnit / kH;
           r.v[kStatFullKl] = static_cast<float>(nonnegative(scale * U / cx.s - std::log(cx.s) + log_s));
         }
@@ -368,14 +349,7 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
           alignas(64) float av[kW];
           st.v.store(av);
           double W = 0.0;  // in the units of h
-          for (int64_t l = 0; l < kW; ++l) {
-            if (amy[l] == -kInf) continue;
-            const double dxl = (cx.mi - static_cast<double>(amix[l])) * kH;
-            const double dyl = (cy.mi - static_cast<double>(amiy[l])) * kH;
-            const double a = std::exp(-dyl / kH * c * kZUnit);
-            if (a == 0.0) continue;  // no mass left in double: skip (its v may be inf)
-            W += a * (static_cast<double>(av[l]) - (dyl - dxl) * asy[l]);
-          }
+          for (int64_t l = 0; l < kW; ++l) W += av[l];
           const double scale = c * kZUnit / kH;
           r.v[kStatForwardKl] = static_cast<float>(nonnegative(scale * W / cy.s - log_s + std::log(cx.s)));
         }
