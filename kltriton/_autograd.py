@@ -32,14 +32,13 @@ def first_order(name: str):
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grads):
+            if not torch.is_grad_enabled():  # a plain first-order backward
+                return backward(ctx, *grads)
             # create_graph=True: what a second derivative would differentiate, the upstream gradients and the saved
             # inputs (read before the backward, which may write over a saved output)
-            links = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad] \
-                if torch.is_grad_enabled() else None
+            links = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
             with torch.no_grad():
                 outputs = backward(ctx, *grads)
-            if links is None:  # a plain first-order backward
-                return outputs
             mark = lambda o: None if o is None else _SecondDerivative.apply(message, o, *links)  # noqa: E731
             return tuple(mark(o) for o in outputs) if isinstance(outputs, tuple) else mark(outputs)
         return wrapper

@@ -43,7 +43,9 @@ def host_checks(device=None) -> bool:
     traces (a data-dependent branch would break the graph)."""
     if _VALIDATE is False or torch.compiler.is_compiling():
         return False
-    return _VALIDATE == "sync" or device is None or torch.device(device).type == "cpu"
+    if _VALIDATE == "sync" or device is None:
+        return True
+    return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
 
 
 def check_logits(logits, name="logits"):
@@ -156,7 +158,10 @@ def _split_sequence_ends(cu_seqlens, n, split):
 def _rows2d(tensor):
     """A tensor of the logits' leading shape as ``[R, C]`` rows of sequences (its last dim; ``[1, N]`` for flat
     positions, ``[1, 1]`` for a 0-dim one), a view where the strides allow."""
-    if tensor.dim() <= 1:
+    dim = tensor.dim()
+    if dim == 2:
+        return tensor
+    if dim <= 1:
         return tensor.reshape(1, -1)
     return tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
 
@@ -240,7 +245,7 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     sequence dimension (``[B, T_r]``, or ``[N_r]`` of the packed stream with the global ``cu_seqlens``); the shift
     takes the last position's label and mask from the next rank's slice (one all-gather, every rank calls it), and
     sequences and positions are the global ones. That route is the reference backend's, with host checks."""
-    shape = torch.Size(shape)
+    shape = shape if type(shape) is torch.Size else torch.Size(shape)
     if (shift_labels and isinstance(labels, torch.Tensor) and labels.dim() == len(shape) >= 1
             and labels.shape[:-1] == shape[:-1] and labels.shape[-1] == shape[-1] + 1):
         raise ValueError(f"labels {tuple(labels.shape)} are one longer than the logits' positions "
@@ -261,7 +266,7 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
         num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     check = _VALIDATE is not False and not torch.compiler.is_compiling()
     context = {"device": device, "vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
-               "split": split is not None} if check and host_checks(device) else None
+               "split": split is not None} if check and (_VALIDATE == "sync" or device.type == "cpu") else None
     if split is None and not isinstance(vocab, torch.Tensor):
         name = dispatch.resolve(backend, "layout", device.type, float64)
         args = (_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens, temperature, ignore_index, vocab,

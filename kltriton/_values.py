@@ -3,6 +3,7 @@ a float as a device scalar or a vector of floats as a device vector, made once p
 ``constant_vector``: on a GPU every small tensor made per call is a kernel launch)."""
 import collections
 import math
+import struct
 
 import torch
 
@@ -48,7 +49,7 @@ def runtime_scalar(value, device) -> torch.Tensor:
     """
     if torch.compiler.is_compiling():
         return torch.ones((), dtype=torch.float64, device=device) * value
-    key = (device, float(value).hex())  # hex: -0.0 and 0.0 are two values
+    key = (device, struct.pack("d", value))  # the bits: -0.0 and 0.0 are two values
     scalar = _SCALARS.get(key)
     if scalar is None:
         scalar = torch.full((), value, dtype=torch.float64, device=device)
@@ -63,7 +64,7 @@ def constant_vector(values, device) -> torch.Tensor:
     """Python floats as one float64 vector on ``device``, made once per device and set of values and kept with the
     scalars of ``runtime_scalar`` (eager calls only: while ``torch.compile`` traces, build it from
     ``runtime_scalar``s). Nobody writes to it."""
-    key = (device, tuple(float(v).hex() for v in values))
+    key = (device, len(values), struct.pack(f"{len(values)}d", *values))  # the bits; never a scalar's key
     vector = _SCALARS.get(key)
     if vector is None:
         vector = torch.tensor(values, dtype=torch.float64).to(device)

@@ -125,6 +125,14 @@ def implementation(family: str, backend: str):
     return importlib.import_module(_module_name(family, backend))
 
 
+@functools.lru_cache(maxsize=None)
+def _automatic(family: str, device_type: str, is_float64: bool, usable) -> str:
+    """The first backend of ``PREFERENCE`` that runs ``family`` here by ``usable`` (``availability``; found once for
+    each, so a test that replaces ``availability`` gets its own answer)."""
+    candidates = [b for b in PREFERENCE.get(device_type, ("reference",)) if BACKENDS[b].float64 or not is_float64]
+    return next((b for b in candidates if usable(b, family)[0]), "reference")
+
+
 def _constant_for_dynamo(fn):
     """What ``torch.compiler.assume_constant_result`` does (it sets this flag), without importing
     ``torch._dynamo`` (about 1 s, and Triton) when kltriton is imported. The fullgraph compile
@@ -145,8 +153,7 @@ def resolve(backend, family: str, device_type: str, is_float64: bool) -> str:
         source = "backend" if backend is not None else "KLTRITON_BACKEND"
         raise ValueError(f"{source} must be one of {tuple(BACKENDS)}, got {name!r}")
     if name is None:
-        candidates = [b for b in PREFERENCE.get(device_type, ("reference",)) if BACKENDS[b].float64 or not is_float64]
-        return next((b for b in candidates if availability(b, family)[0]), "reference")
+        return _automatic(family, device_type, is_float64, availability)
     chosen = BACKENDS[name]
     if is_float64 and not chosen.float64:
         raise TypeError(f"float64 logits run on the reference backend only, not backend={name!r}")

@@ -11,6 +11,7 @@ importance sampling, vocab-parallel logits, a truncation): the differentiable st
 ``kltriton.kernels.loss.terms`` in PyTorch, and autograd (the logits are read again in the backward). The ``[N]``
 arithmetic around the formulas (aggregation and importance weights, metrics) is ``kernels.loss.weights``.
 """
+import collections
 from typing import NamedTuple, Optional
 
 import torch
@@ -70,10 +71,53 @@ def _check_choice(name, value, choices, allow_none=True):
         raise ValueError(f"{name} must be one of {choices}{' or None' if allow_none else ''}, got {value!r}")
 
 
+_PLAIN = frozenset((bool, int, float, str, type(None), estimators.Estimator, torch.device))
+_CHECKED = collections.OrderedDict()  # _options_key -> the checked _Loss, most recent last
+CHECKED_CACHE_SIZE = 64
+
+
+def _options_key(values):
+    """A hashable key of option values with their types (``1``, ``1.0`` and ``True`` are three keys): python scalars,
+    strings, estimators, devices, and tuples and dicts of them; None when a value is anything else (a tensor)."""
+    key = []
+    for value in values:
+        kind = type(value)
+        if kind is tuple:
+            inner = _options_key(value)
+        elif kind is dict:
+            inner = _options_key(value.values())
+            inner = inner and (tuple(value), inner)
+        elif kind in _PLAIN:
+            inner = value
+        else:
+            return None
+        if inner is None and value is not None:
+            return None
+        key += (kind, inner)
+    return tuple(key)
+
+
 def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, clip, kl, entropy) -> _Loss:
     """The checked ``_Loss``: ``settings_given`` the keywords ``terms.settings`` resolves, ``clip`` = ``(clip_low,
     clip_high)``, ``kl`` = ``(kl_coef, kl_estimator, kl_clamp, use_bias_correction_kl)``, ``entropy`` =
-    ``(entropy_coef, compute_entropy, token_mask_entropy_quantile)``."""
+    ``(entropy_coef, compute_entropy, token_mask_entropy_quantile)``. A training loop passes the same options on
+    every step: in eager calls the checked result of each set of python values is kept (``CHECKED_CACHE_SIZE``)."""
+    if torch.compiler.is_compiling():
+        return _check_loss(call, loss_type, loss_parameters, settings_given, level, clip, kl, entropy)
+    key = _options_key((call.device, call.ref is not None, call.ref_logprobs is not None, loss_type, loss_parameters,
+                        settings_given, level, clip, kl, entropy))
+    checked = None if key is None else _CHECKED.get(key)
+    if checked is None:
+        checked = _check_loss(call, loss_type, loss_parameters, settings_given, level, clip, kl, entropy)
+        if key is not None:
+            _CHECKED[key] = checked
+            if len(_CHECKED) > CHECKED_CACHE_SIZE:
+                _CHECKED.popitem(last=False)
+    return checked
+
+
+def _check_loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, clip, kl, entropy) -> _Loss:
+    """``_loss`` without the cache."""
     spec = terms.loss_type_of(loss_type)
     settings = terms.settings(loss_type, loss_parameters, **settings_given)
     _check_choice("aggregation", settings.aggregation, constants.AGGREGATIONS)
@@ -335,6 +379,13 @@ def _sequences_of(call: Call) -> Sequences:
     return Sequences(call.layout.seq_index, call.layout.num_seqs, group=call.sequence_group)
 
 
+def _per_token(values, shape):
+    """``[N]`` values as a per-token output: fp32 of the leading shape, no gradient (a view where it is that)."""
+    if values.requires_grad:
+        values = values.detach()
+    return (values if values.dtype == torch.float32 else values.float()).view(shape)
+
+
 def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _Denominators) -> "PolicyLossOutput":
     """The fused route of the common call (token-level ratio, one aggregation for every term, no rollout importance
     sampling, entropy mask or sequence group) as kernels alone: the targets with the rows' inputs (the layout op),
@@ -352,7 +403,7 @@ def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _
     value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
                                             loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
                                             with_entropy=loss.compute_entropy)
-    view = lambda t: t.detach().float().view(layout.shape)  # noqa: E731  (fp32: no op)
+    view = lambda t: _per_token(t, layout.shape)  # noqa: E731
     zeros = lambda: torch.zeros(layout.shape, dtype=torch.float32, device=call.device)  # noqa: E731
     if call.ref is not None:
         ref_logp = view(stats.ref_logp)
@@ -416,7 +467,7 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
     if outside is not None:
         sums["outside_support_frac"] = (outside.float().sum(), (scored | outside).float().sum())
     metrics = weights.metrics(token, scored, entropy, result.importance, sums, given, sequences)
-    view = lambda t: t.detach().float().view(call.layout.shape)  # noqa: E731
+    view = lambda t: _per_token(t, call.layout.shape)  # noqa: E731
     return PolicyLossOutput(value, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
                             view(token.ratio), metrics)
 

@@ -131,6 +131,7 @@ class Op:
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SIMPLE = frozenset((*_PLAIN, int, float, bool, str, type(None), torch.dtype))  # plain tensors, the other schema types
 
 
 def eager(args) -> bool:
@@ -138,20 +139,22 @@ def eager(args) -> bool:
     (or autograd node) directly: not while ``torch.compile``, ``make_fx`` or a functorch transform traces it, and only
     with plain tensors (a fake, functional or other subclass tensor goes through the registered op, which is what
     those systems see). A mode that only watches (a ``TorchDispatchMode`` that counts ops) sees the ops the launcher
-    dispatches."""
+    dispatches. Every call asks: the common answer (no mode, no transform) costs a few hundred nanoseconds."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    for key in _TRACING_MODES:
-        if torch._C._get_dispatch_mode(key) is not None:
-            return False
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            if type(arg) not in _PLAIN:
+    if torch._C._len_torch_dispatch_stack():
+        for key in _TRACING_MODES:
+            if torch._C._get_dispatch_mode(key) is not None:
                 return False
-        elif isinstance(arg, tuple):
+    for arg in args:
+        if type(arg) in _SIMPLE:
+            continue
+        if isinstance(arg, tuple):  # a group's fields
             for field in arg:
-                if isinstance(field, torch.Tensor) and type(field) not in _PLAIN:
+                if type(field) not in _SIMPLE and isinstance(field, torch.Tensor):
                     return False
+        elif isinstance(arg, torch.Tensor):
+            return False
     return True
 
 
@@ -161,24 +164,34 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
     only input that gets a gradient. The forward runs the launcher and returns only the outputs that can have a
     gradient (``grad_outputs(args)``: on a CPU core every output of an autograd node costs a few microseconds); every
     output goes to ``args.outputs``, their indices to ``args.differentiable``. It saves the first input's tensors and
-    the ``save`` outputs (the version counters catch an in-place change before the backward); the other ``save``
-    inputs are held as they are."""
+    the ``save`` outputs it returns (the version counters catch an in-place change before the backward; a returned
+    output held as it is would be a reference cycle through this node); the other ``save`` outputs and inputs are held
+    as they are (each saved tensor costs a CPU core a fraction of a microsecond, most of them are empty)."""
     first, first_kind = op.inputs[0]
     grouped = isinstance(first_kind, Group)
     saved_outputs = [i for i, out in enumerate(op.outputs) if out in save]
     index = {out: i for i, out in enumerate(op.outputs)}
+    plans = {}  # grad_outputs' names -> (returned, saved and returned, saved and held) output indices
 
     class EagerFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, args, *tensors):
             outs = op.launch(args)
             outs = outs if isinstance(outs, tuple) else (outs,)
+            names = grad_outputs(args)
+            plan = plans.get(names)
+            if plan is None:  # the outputs' indices: which are returned, saved, held (a few sets of names per op)
+                differentiable = [index[name] for name in names]
+                plan = plans[names] = (differentiable, [i for i in saved_outputs if i in differentiable],
+                                       [i for i in saved_outputs if i not in differentiable])
+            differentiable, ctx.tracked, held = plan
             args.outputs = outs
-            args.differentiable = ctx.differentiable = [index[name] for name in grad_outputs(args)]
+            args.differentiable = ctx.differentiable = differentiable
             ctx.args, ctx.present = args, [t is not None for t in tensors]
-            ctx.save_for_backward(*(t for t in tensors if t is not None), *(outs[i] for i in saved_outputs))
+            ctx.held = [(i, outs[i]) for i in held]
+            ctx.save_for_backward(*(t for t in tensors if t is not None), *(outs[i] for i in ctx.tracked))
             ctx.set_materialize_grads(materialize_grads)
-            return tuple(outs[i] for i in ctx.differentiable)
+            return tuple(outs[i] for i in differentiable)
 
         @staticmethod
         @first_order(f"kltriton::{op.overload.name().split('::')[-1]}")
@@ -190,8 +203,10 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
             stored = iter(ctx.saved_tensors)
             fields = [next(stored) if here else None for here in ctx.present]
             setattr(saved, first, _group(first_kind, fields) if grouped else fields[0])
-            for i in saved_outputs:
+            for i in ctx.tracked:
                 setattr(saved, op.outputs[i], next(stored))
+            for i, tensor in ctx.held:
+                setattr(saved, op.outputs[i], tensor)
             needs = ctx.needs_input_grad[1:]
             saved.needs_grad = {first: tuple(needs) if grouped else needs[0]}
             saved.eager = True  # the outputs it saved are its own: the backward may write over them

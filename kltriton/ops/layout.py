@@ -12,15 +12,20 @@ from kltriton.ops._define import BOOL, DTYPE, FLOAT, INT, OPTIONAL, STR, TENSOR,
 
 
 _FLAGS = {}  # device -> int64 [len(FLAG_SLOTS)]: what the layout kernels found wrong since the last check
+_HOST_FLAGS = {}  # device -> the flag vector as a numpy array, for a device whose memory the host reads (CPU)
 
 
 def flag_vector(device) -> torch.Tensor:
     """The device's flag vector (``constants.FLAG_SLOTS``), made at its first use: the layout kernels OR into it what
     they find wrong (``constants.BAD_*`` bits), so that no call reads a value on the host."""
-    device = torch.device(device)
     flags = _FLAGS.get(device)
     if flags is None:
+        device = torch.device(device)
+        flags = _FLAGS.get(device)
+    if flags is None:
         flags = _FLAGS[device] = torch.zeros(len(constants.FLAG_SLOTS), dtype=torch.int64, device=device)
+        if device.type == "cpu":
+            _HOST_FLAGS[device] = flags.numpy()
     return flags
 
 
@@ -28,10 +33,13 @@ def raise_flagged(device, context: Optional[dict] = None) -> None:
     """Raise the ``ValueError`` of what the device's flag vector holds, and clear it (a host read: on a device, a
     synchronization). ``context``: the call's ``vocab``, ``ignore_index``, ``n`` and ``spans`` for the message (None:
     a call since the last check, whose context is gone)."""
+    host = _HOST_FLAGS.get(device)
+    if host is not None and not host[0]:  # every CPU call comes here: the common answer without a tensor op
+        return
     flags = _FLAGS.get(torch.device(device))
     if flags is None:
         return
-    values = dict(zip(constants.FLAG_SLOTS, flags.tolist() if flags.is_cuda else flags.numpy().tolist()))
+    values = dict(zip(constants.FLAG_SLOTS, flags.tolist()))
     if not values["bits"]:
         return
     flags.zero_()

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from kltriton import dispatch
 from kltriton.kernels import accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import masked, statistics_request
-from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
+from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, MUTABLE, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
 from kltriton.ops.statistics import empty_gradients
 
 
@@ -66,21 +66,21 @@ def _forward_fake(args):
             f32(len(constants.LOSS_METRICS)))
 
 
-@torch.library.custom_op("kltriton::loss_scale_", mutates_args=("grad",))
-def loss_scale_(grad: torch.Tensor, upstream: torch.Tensor, backend: str) -> None:
-    """``grad *= upstream`` in place; no ``[N, V]`` traffic when ``upstream == 1`` (cpp / triton)."""
-    dispatch.implementation("loss", backend).scale_(grad, upstream.detach())
+def _scale(args):
+    dispatch.implementation("loss", args.backend).scale_(args.grad, args.upstream.detach())
 
 
-@loss_scale_.register_fake
-def _loss_scale_fake(grad, upstream, backend):
-    return None
+# ``grad *= upstream`` in place; no ``[N, V]`` traffic when ``upstream == 1`` (cpp / triton). Declared like every other
+# op (not with ``torch.library.custom_op``, whose eager path costs more than a small forward).
+loss_scale_ = define_op("loss_scale_", inputs=(("grad", MUTABLE), ("upstream", TENSOR), ("backend", STR)), outputs=(),
+                        launch=_scale, fake=lambda args: None)
 
 
-def scaled(grad, g_loss, backend):
+def scaled(grad, g_loss, backend, eager=False):
     """``grad * g_loss``: in place in eager calls (the gradient was written in the forward; nothing is read
-    or written when the upstream gradient is 1, decided by the kernel); out of place while traced."""
-    if is_fake(grad):
+    or written when the upstream gradient is 1, decided by the kernel); out of place while traced. ``eager``: the
+    backward of an eager call (``saved.eager``), whose gradient is its own."""
+    if not eager and is_fake(grad):
         # Traced by torch.compile (AOTAutograd): an in-place update of a saved forward output cannot be
         # partitioned, and functionalization would copy the buffer anyway.
         return grad * g_loss.to(grad.dtype)
@@ -94,7 +94,8 @@ def scaled_gradients(saved, g_loss):
     if g_loss is None:
         return {}
     policy, needs_grad = saved.policy, saved.needs_grad["policy"][:3]
-    d = tuple(scaled(getattr(saved, name), g_loss, saved.backend) if w else None
+    eager = getattr(saved, "eager", False)
+    d = tuple(scaled(getattr(saved, name), g_loss, saved.backend, eager) if w else None
               for name, w in zip(("d_x", "d_weight", "d_bias"), needs_grad))
     if policy.weight is None and d[0] is not None:
         d = (d[0].view(policy.x.shape), None, None)

@@ -8,6 +8,8 @@ gradient basis (``statistics.gradient_basis``) and ``statistics_backward`` takes
 its hidden states, weight and bias. ``labels_here``: every scored target is a label of this vocabulary (False on a
 vocab shard, where a target ``>= V`` is a label another shard holds).
 """
+import functools
+
 import torch
 
 from kltriton import dispatch
@@ -150,6 +152,12 @@ def _backward(saved, grads):
     return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
 
 
+@functools.lru_cache(maxsize=None)
+def _differentiable(request: int) -> tuple:
+    """The differentiable statistics a forward with ``request`` computes."""
+    return tuple(name for name in table.DIFFERENTIABLE if table.present(request, name))
+
+
 statistics = define_op(
     "statistics",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
@@ -158,4 +166,4 @@ statistics = define_op(
     save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES, "tile"),
     backward=_backward,
     materialize_grads=False,
-    grad_outputs=lambda args: tuple(name for name in table.DIFFERENTIABLE if table.present(args.request, name)))
+    grad_outputs=lambda args: _differentiable(args.request))

@@ -381,7 +381,7 @@ def test_opcheck(backend_name, quantile):
     # checks its values and gradients.
     torch.library.opcheck(loss.overload, fused_args(backend_name, quantile=quantile),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    torch.library.opcheck(loss_scale_, (torch.randn(5, 7), torch.tensor(0.5), backend_name))
+    torch.library.opcheck(loss_scale_.overload, loss_scale_.flatten(torch.randn(5, 7), torch.tensor(0.5), backend_name))
 
 
 def loss_fn(logits, ref, labels, adv, old, mask, kl_coef):

@@ -17,7 +17,17 @@ from kltriton.kernels.stream import cpp as stream
 
 
 def _f32(tensor):
-    return None if tensor is None else tensor.detach().reshape(-1).to(torch.float32).contiguous()
+    """``tensor`` as the kernels read it: flat contiguous float32 (as it is when it is that already)."""
+    if tensor is None:
+        return None
+    if tensor.dtype != torch.float32 or tensor.dim() != 1 or not tensor.is_contiguous():
+        tensor = tensor.reshape(-1).to(torch.float32).contiguous()
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _f64(tensor):
+    """``tensor`` as contiguous float64 (the hyperparameters)."""
+    return tensor if tensor.dtype == torch.float64 and tensor.is_contiguous() else tensor.to(torch.float64).contiguous()
 
 
 def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad, with_grad,
@@ -30,7 +40,7 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
     outs = torch.ops.kltriton_cpp.loss_forward(
         as_rows3d(logits.detach()), None if ref_logits is None else as_rows3d(ref_logits.detach()), target,
         temperature, _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg), _f32(inputs.w_kl),
-        _f32(inputs.w_ent), _f32(inputs.ref_logp), hyperparameters.to(torch.float64).contiguous(), loss_type,
+        _f32(inputs.w_ent), _f32(inputs.ref_logp), _f64(hyperparameters), loss_type,
         est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),
         bool(with_entropy))
     return StreamStats(*outs[:-1]), outs[-1]
@@ -45,7 +55,7 @@ def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossT
     return LossTerms(*torch.ops.kltriton_cpp.loss_terms(
         stats.logp, ref, stats.ref_logp.shape != stats.logp.shape, present(stats.full_kl), present(stats.entropy),
         target, inputs.old_logp, inputs.advantages, inputs.w_pg, inputs.w_kl, inputs.w_ent,
-        inputs.w_pg if inputs.w_agg is None else inputs.w_agg, hyperparameters.to(torch.float64), loss_type,
+        inputs.w_pg if inputs.w_agg is None else inputs.w_agg, _f64(hyperparameters), loss_type,
         est.base if est else "", bool(est and est.straight_through)))
 
 
@@ -56,7 +66,7 @@ def coefficients(logp, ref_logp, inputs, hyperparameters, loss_type, estimator, 
     est = estimators.parse(estimator) if estimator else None
     return torch.ops.kltriton_cpp.loss_coefficients(
         _f32(logp), _f32(ref_logp), _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg),
-        _f32(inputs.w_kl), _f32(full_kl), hyperparameters.to(torch.float64).contiguous(), loss_type, est.base if est else "",
+        _f32(inputs.w_kl), _f32(full_kl), _f64(hyperparameters), loss_type, est.base if est else "",
         bool(est and est.straight_through))
 
 

@@ -265,17 +265,19 @@ def _parameters(loss_type: str, given: dict, default: dict) -> dict:
     return out
 
 
+_OFF = {name: 0.0 if name == "kl_ratio" else INF for name in constants.HYPERPARAMETERS}  # a slot's value when off
+
+
 def hyperparameters(device, **values) -> torch.Tensor:
     """The float64 hyperparameter vector from ``values`` by slot name (each a python float, a 0-dim float64 tensor,
     or None); a slot not given (or None) is ``inf`` (off), except ``kl_ratio`` (0: off). In eager calls with python
     floats the vector of each set of values is made once per device and kept (``_inputs.runtime_scalar``'s cache):
     on a GPU every small tensor made per call is a kernel launch."""
-    unknown = set(values) - set(SLOT)
+    unknown = values.keys() - _OFF.keys()
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}; slots: {constants.HYPERPARAMETERS}")
-    slots = [values.get(name) for name in constants.HYPERPARAMETERS]
-    slots = [(0.0 if name == "kl_ratio" else INF) if value is None else value
-             for name, value in zip(constants.HYPERPARAMETERS, slots)]
+    slots = [values.get(name) for name in _OFF]
+    slots = [off if value is None else value for value, off in zip(slots, _OFF.values())]
     if not torch.compiler.is_compiling() and not any(isinstance(v, torch.Tensor) for v in slots):
         return constant_vector(slots, device)
     return torch.stack([v.to(device=device, dtype=torch.float64) if isinstance(v, torch.Tensor)
