@@ -247,9 +247,11 @@ def test_frozen_lm_head_gets_no_weight_gradient(monkeypatch):
     the two-pass route: the hidden states' gradient is the same, and no GEMM into a weight gradient runs."""
     from kltriton.kernels.linear import tiles
 
-    products = []
-    original = tiles._add_mm
-    monkeypatch.setattr(tiles, "_add_mm", lambda out, a, b: products.append(tuple(out.shape)) or original(out, a, b))
+    products = []  # the shapes of the GEMMs' results: (v, h) is a weight gradient's
+    add_mm, mm = tiles._add_mm, tiles._mm  # the tiled route's accumulating GEMM, the one-tile route's
+    monkeypatch.setattr(tiles, "_add_mm", lambda out, a, b: products.append(tuple(out.shape)) or add_mm(out, a, b))
+    monkeypatch.setattr(tiles, "_mm", lambda a, b, acc, out=None: products.append((a.shape[0], b.shape[1]))
+                        or mm(a, b, acc, out))
     gen = torch.Generator().manual_seed(4)
     n, h, v = 23, 16, 61
     hidden = torch.randn(n, h, generator=gen)
