@@ -567,3 +567,17 @@ def stacked_basis(basis):
     terms = sum(bit for term, bit in constants.BASIS_BITS.items() if getattr(basis, term) is not None)
     zero = torch.zeros_like(basis.label, dtype=torch.float32)
     return torch.stack([zero if c is None else c.to(torch.float32) for c in basis], dim=1), terms
+
+
+@triton.jit
+def sequence_bounds(seq, n, seq_len, cu_ptr):
+    """Sequence ``seq``'s positions ``[start, end)`` within ``[0, n)``: a packed segment of ``cu_seqlens``
+    (``cu_ptr``), or the row of ``seq_len`` positions (``cu_ptr`` None)."""
+    if cu_ptr is not None:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    else:
+        start = (seq + tl.zeros((), tl.int64)) * seq_len
+        end = start + seq_len
+    start = tl.minimum(tl.maximum(start, 0), n)
+    return start, tl.minimum(tl.maximum(end, start), n)

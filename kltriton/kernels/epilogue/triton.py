@@ -50,26 +50,13 @@ def _kl_kernel(logp_ptr, full_kl_ptr, ref_ptr, target_ptr, kl_ptr, ref_out_ptr, 
 
 
 @triton.jit
-def _bounds(seq, n, seq_len, cu_ptr):
-    """Sequence ``seq``'s positions ``[start, end)`` within ``[0, n)``."""
-    if cu_ptr is not None:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    else:
-        start = (seq + tl.zeros((), tl.int64)) * seq_len
-        end = start + seq_len
-    start = tl.minimum(tl.maximum(start, 0), n)
-    return start, tl.minimum(tl.maximum(end, start), n)
-
-
-@triton.jit
 def _reward_kernel(logp_ptr, full_kl_ptr, ref_ptr, target_ptr, kl_ptr, ref_out_ptr, reward_ptr, per_seq_ptr,
                    count_ptr, coef_ptr, rewards_ptr, scores_ptr, n, seq_len, cu_ptr, kl_clamp, score_clip,
                    REF_GIVEN: tl.constexpr, ESTIMATOR: tl.constexpr, STRAIGHT: tl.constexpr, BLOCK: tl.constexpr):
     """Grid ``(num_seqs,)``: one sequence per program, its positions in order (the sums and the last scored position,
     then the per-token KL and reward, the score at that position)."""
     seq = tl.program_id(0)
-    start, end = _bounds(seq, n, seq_len, cu_ptr)
+    start, end = rows.sequence_bounds(seq, n, seq_len, cu_ptr)
     total = tl.zeros((), tl.float64)
     count = tl.zeros((), tl.int64)
     last = tl.zeros((), tl.int64) - 1

@@ -118,19 +118,6 @@ def _target_kernel(
 
 
 @triton.jit
-def _sequence(seq, n, seq_len, cu_ptr):
-    """Sequence ``seq``'s positions ``[start, end)`` within ``[0, n)``: a packed segment, or a row of ``seq_len``."""
-    if cu_ptr is not None:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    else:
-        start = (seq + tl.zeros((), tl.int64)) * seq_len
-        end = start + seq_len
-    start = tl.minimum(tl.maximum(start, 0), n)
-    return start, tl.minimum(tl.maximum(end, start), n)
-
-
-@triton.jit
 def _weights_kernel(
     labels_ptr, labels_cols, labels_stride_r, labels_stride_c, mask_ptr, mask_stride_r, mask_stride_c,
     cu_ptr, num_offsets, search_steps, temperature_ptr, temperature_numel, target_ptr, flags_ptr,  # as _target_kernel
@@ -146,7 +133,7 @@ def _weights_kernel(
     total = tl.zeros((), tl.float64)
     nonempty = tl.zeros((), tl.float64)
     for seq in range(0, num_seqs):
-        start, end = _sequence(seq, n, seq_len, cu_ptr)
+        start, end = rows.sequence_bounds(seq, n, seq_len, cu_ptr)
         count = tl.zeros((), tl.float64)
         for lo in range(start, end, BLOCK):
             offs = lo + tl.arange(0, BLOCK)
@@ -170,7 +157,7 @@ def _weights_kernel(
     if num_seqs_agg_ptr is not None:
         sequences = tl.load(num_seqs_agg_ptr).to(tl.float64)
     for seq in range(0, num_seqs):
-        start, end = _sequence(seq, n, seq_len, cu_ptr)
+        start, end = rows.sequence_bounds(seq, n, seq_len, cu_ptr)
         count = tl.zeros((), tl.float64)
         if AGGREGATION == "seq-mean-token-mean":
             for lo in range(start, end, BLOCK):
