@@ -6,12 +6,15 @@ This is the correctness step of ``python -m benchmarks gpu`` (``KLTRITON_TEST_DE
 a vocabulary of 151,936, a few minutes with its compiles); on CPU it runs the C++ backend at a small vocabulary (the
 Triton kernels on CPU tensors, through the interpreter, are what the other tests check, variant by variant).
 """
+import os
+
 import pytest
 import torch
 
 import kltriton
 from helpers import MIXED_GRAD_RTOL, assert_close, awkward_logits, grad_tols, value_atol
-from conftest import TEST_DEVICE
+
+TEST_DEVICE = os.environ.get("KLTRITON_TEST_DEVICE", "cpu")  # as tests/conftest.py reads it
 
 DEVICE_BACKENDS = ("triton",) if TEST_DEVICE == "cuda" else ("cpp",)
 B, T = 3, 67
