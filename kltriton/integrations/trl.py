@@ -1,8 +1,8 @@
-"""TRL (tested with 1.16): ``GRPOTrainer`` computes its log-probs, entropy and loss with kltriton, and the
-distillation trainers their divergence.
+"""TRL (tested with 1.16): the fused LM head of TRL's trainers, ``GRPOTrainer``'s loss and the distillation
+trainers' divergence computed with kltriton.
 
-``apply()`` changes two things of ``trl.trainer.grpo_trainer``, four of TRL's distillation (below), and
-``undo()`` puts them back.
+``apply()`` changes TRL's ``add_fused_lm_head`` (in every TRL module that imported it), ``GRPOTrainer._compute_loss``
+and four functions of TRL's distillation (below), and ``undo()`` puts them back.
 
 Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
 wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
@@ -14,12 +14,16 @@ a vocabulary shard's, and no full-vocabulary gather. FSDP2 and tensor parallelis
 head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, scored the same way.
 
 
-- ``add_fused_lm_head``, which ``GRPOTrainer.__init__`` calls on the policy and the reference model:
-  TRL's head is still added, then wrapped by one whose ``fused_lm_head=True`` call projects only the
-  scored positions and scores them with ``kltriton.token_logprobs`` (log-probs and entropy in one pass).
-  So call ``apply()`` before building the trainer. After ``undo()`` the wrapped models use TRL's head
-  again. Models that need something kltriton's head does not do (MoE router losses, other outputs than
-  log-probs and entropy, a PEFT adapter on the head) keep TRL's head, with a log line.
+- ``add_fused_lm_head``, which the ``__init__`` of every TRL 1.16 trainer (SFT, DPO, KTO, RLOO, GRPO, the
+  experimental AsyncGRPO) calls on its policy and reference model, and a user's own trainer may call from
+  ``trl.trainer.utils``: it is replaced in every loaded TRL module that holds it (``Patch.swap``), so a module
+  imported later gets the replacement from ``trl.trainer.utils``. TRL's head is still added, then wrapped by one
+  whose ``fused_lm_head=True`` call projects only the scored positions and scores them with
+  ``kltriton.token_logprobs`` (log-probs and entropy in one pass). So call ``apply()`` before building the
+  trainer. After ``undo()`` the wrapped models use TRL's head again. A head asked for what kltriton's head does
+  not compute yet (``is_top1``: SFT's token accuracy; ``mean_logits``: DPO's and KTO's logged logits;
+  ``log_sum_sq_probs``: DPO's WPO weight), a model with MoE router losses or with a PEFT adapter on the head keeps
+  TRL's head, with a log line naming the reason.
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
@@ -73,14 +77,16 @@ logger = logging.getLogger(__name__)
 _logged = set()
 
 def _install(patch: Patch) -> None:
-    """Make ``trl.GRPOTrainer`` compute log-probs, entropy (and, where it maps, the loss) with kltriton.
+    """Make TRL's fused LM head (every trainer's) compute log-probs and entropy with kltriton, and
+    ``trl.GRPOTrainer`` its loss where it maps.
 
     Call ``apply()`` before building the trainer.
     """
     from trl.trainer import grpo_trainer
+    from trl.trainer import utils as trl_utils
 
     _logged.clear()  # each apply() logs each fallback reason once
-    trl_add_fused_lm_head = patch.resolve(grpo_trainer, "add_fused_lm_head")
+    trl_add_fused_lm_head = patch.resolve(trl_utils, "add_fused_lm_head")
     trl_compute_loss = patch.resolve(patch.resolve(grpo_trainer, "GRPOTrainer"), "_compute_loss")
 
     def add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
@@ -98,7 +104,7 @@ def _install(patch: Patch) -> None:
                   f"beta={self.beta})")
         return _kltriton_loss(self, model, inputs)
 
-    patch.set(grpo_trainer, "add_fused_lm_head", add_fused_lm_head)
+    patch.swap("trl", trl_add_fused_lm_head, add_fused_lm_head)  # every trainer module's copy, and utils'
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
     _install_distillation(patch)
     if _switches["truncation"]:
@@ -111,7 +117,7 @@ _switches = {"truncation": False}
 
 
 def apply(*, truncation: bool = False) -> Patch:
-    """Make ``trl.GRPOTrainer`` compute with kltriton (call it before building the trainer); returns the ``Patch``
+    """Make TRL's trainers compute with kltriton (call it before building the trainer); returns the ``Patch``
     (``.undo()``, or ``with apply(): ...``).
 
     Args:
@@ -207,6 +213,10 @@ def _head_scaling(model):
     return head_scaling(model.config)
 
 
+# The fields of TRL's FusedCausalLMOutput that kltriton's head fills (log_probs also gives loss and label_mask).
+_HEAD_OUTPUTS = ("log_probs", "entropy")
+
+
 def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, outputs):
     """Wrap the ``forward`` TRL's ``add_fused_lm_head`` installed with one that scores through kltriton.
 
@@ -215,8 +225,10 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
     head's unit (any wrapping, any ``reshard_after_forward``, its ``MixedPrecisionPolicy``), ZeRO-3 gathers the head
     in the forward and the backward, once per call on every rank."""
     scaling = _head_scaling(model)
-    if isinstance(scaling, str) or not set(outputs) <= {"log_probs", "entropy"}:
-        why = scaling if isinstance(scaling, str) else f"outputs {outputs} were asked for"
+    missing = [name for name in outputs if name not in _HEAD_OUTPUTS]
+    if isinstance(scaling, str) or missing:
+        why = scaling if isinstance(scaling, str) else (f"it is asked for {', '.join(missing)}, which kltriton's "
+                                                        "head does not compute yet")
         _log_once(f"{type(model).__name__} keeps TRL's fused LM head, because {why}")
         return
     logit_scale, softcap = scaling

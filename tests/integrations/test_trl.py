@@ -12,7 +12,7 @@ pytest.importorskip("trl")
 import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
-from trl_support import assert_same_logs, tiny_llama, tiny_mixtral, train  # noqa: E402
+from trl_support import TOLERANCES, assert_same_logs, tiny_llama, tiny_mixtral, train, train_rloo  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -46,6 +46,80 @@ def test_grpo_trains_the_same_with_kltriton(model_dir, tmp_path, monkeypatch, ca
     for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
         cells = [f"{a[k]:.7g} / {b[k]:.7g}" for k in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean")]
         print(f"{step} | " + " | ".join(cells), file=sys.stderr)
+
+
+class _TrlHeadCounter:
+    """Counts the calls of TRL's own fused head (``ChunkedLogProbFunction``, as ``trl.trainer.utils`` holds it)."""
+
+    def __init__(self, monkeypatch):
+        from trl.trainer import utils as trl_utils
+
+        self.calls = 0
+        original = trl_utils._ChunkedLogProbFunction
+        counter = self
+
+        class Counted:
+            @staticmethod
+            def apply(*args):
+                counter.calls += 1
+                return original.apply(*args)
+
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counted)
+
+
+def test_rloo_trains_the_same_with_kltriton_head(model_dir, tmp_path, monkeypatch, caplog):
+    """RLOOTrainer (its own generation at temperature 0.8, a reference model, two iterations per batch): kltriton's
+    head scores the policy and the reference in every step, TRL's head never runs, and every logged metric equals
+    plain TRL's."""
+    trl_head = _TrlHeadCounter(monkeypatch)
+    trl_logs = train_rloo(model_dir, tmp_path / "trl")
+    assert trl_head.calls > 0  # the counter sees TRL's head where it runs
+    trl_head.calls = 0
+    logprobs = CallCounter(monkeypatch, "token_logprobs")
+    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
+        kl_logs = train_rloo(model_dir, tmp_path / "kltriton")
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("scores its log_probs and entropy with kltriton's LM head" in line for line in lines), lines
+    assert not any("keeps TRL's fused LM head" in line for line in lines), lines
+    assert trl_head.calls == 0
+    assert logprobs.calls >= 4 * 2, logprobs.calls  # policy and reference, every optimizer step
+    # The test can fail: the KL (logged at generation steps) moved off zero, clipping happened.
+    assert any(log.get("kl", 0) > 0 for log in trl_logs) and any(log["clip_ratio/region_mean"] > 0 for log in trl_logs)
+    # RLOO's loss is its policy term alone, O(1) advantage-weighted ratios of both signs that nearly cancel (about
+    # 1e-2 here): judged like GRPO's policy_loss, at 1e-5 absolute.
+    assert_same_logs(trl_logs, kl_logs, loss=TOLERANCES["policy_loss"])
+
+
+@pytest.mark.parametrize("module, outputs, missing", [
+    ("sft_trainer", ("log_probs", "entropy", "is_top1"), "is_top1"),
+    ("dpo_trainer", ("log_probs", "entropy", "mean_logits", "is_top1"), "mean_logits, is_top1"),
+    ("kto_trainer", ("log_probs", "entropy", "mean_logits"), "mean_logits"),
+])
+def test_a_head_asked_for_other_statistics_keeps_trls_head_with_a_log_line(module, outputs, missing, model_dir,
+                                                                           monkeypatch, caplog):
+    """Every trainer module's ``add_fused_lm_head`` is kltriton's after ``apply()``; a head asked for a statistic
+    kltriton's head does not compute yet stays TRL's (its numbers unchanged), with a line naming the statistic."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    trainer_module = importlib.import_module(f"trl.trainer.{module}")
+    original = trainer_module.add_fused_lm_head
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
+    labels = torch.where(torch.arange(5) < 2, -100, ids)
+    trl_head = _TrlHeadCounter(monkeypatch)
+    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
+        assert trainer_module.add_fused_lm_head is not original
+        trainer_module.add_fused_lm_head(model, outputs=outputs)
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert trainer_module.add_fused_lm_head is original
+    assert trl_head.calls == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kltriton: LlamaForCausalLM keeps TRL's fused LM head, because it is asked for {missing}, which kltriton's "
+        "head does not compute yet"]
+    for name in outputs:
+        assert getattr(out, name) is not None
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -82,16 +156,25 @@ def test_apply_changes_nothing_until_called_and_undo_restores(model_dir):
     assert (grpo_trainer.add_fused_lm_head, grpo_trainer.GRPOTrainer._compute_loss) == before
 
 
-def test_model_built_while_applied_uses_trl_head_after_undo(model_dir, monkeypatch):
-    from transformers import AutoModelForCausalLM
-    from trl.trainer import grpo_trainer
+@pytest.mark.parametrize("module", ["trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer", "trl.trainer.utils",
+                                    "trl.experimental.async_grpo.async_grpo_trainer"])
+def test_model_built_while_applied_uses_trl_head_after_undo(module, model_dir, monkeypatch):
+    """Each module's ``add_fused_lm_head`` (AsyncGRPOTrainer's needs CUDA and a vLLM server to train: its head is
+    tested here directly) scores with kltriton while applied, equal to TRL's head, which serves again after undo."""
+    import importlib
+    import warnings
 
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's warning on importing trl.experimental
+        trainer_module = importlib.import_module(module)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
     labels = ids.clone()
     labels[:, :2] = -100
     with kl_trl.apply():
-        grpo_trainer.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+        trainer_module.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
         logprobs = CallCounter(monkeypatch, "token_logprobs")
         ours = model(input_ids=ids, labels=labels, fused_lm_head=True)
         assert logprobs.calls == 1

@@ -1,5 +1,5 @@
 """Shared by the TRL integration tests: tiny models built from configs (no downloads), a deterministic reward, a
-4-step GRPOTrainer run, and a GRPOTrainer whose ``_compute_loss`` can be called on a hand-made batch."""
+4-step GRPOTrainer (and RLOOTrainer) run, and a GRPOTrainer whose ``_compute_loss`` can be called on a hand-made batch."""
 import math
 
 import torch
@@ -65,6 +65,22 @@ def config(out_dir, **overrides):
     return GRPOConfig(**base)
 
 
+def train_rloo(model_dir, out_dir, **overrides):
+    """Run RLOOTrainer (TRL's own generation, temperature 0.8, a reference model) for 4 optimizer steps; return the
+    per-step logs."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    args = dict(output_dir=str(out_dir), report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=4,
+                num_iterations=2, learning_rate=0.05, epsilon=0.1, beta=0.1, temperature=0.8, logging_steps=1,
+                save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    args.update(overrides)
+    trainer = RLOOTrainer(model=str(model_dir), reward_funcs=reward_cats, args=RLOOConfig(**args),
+                          train_dataset=dataset())
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
 def dataset():
     from datasets import Dataset
 
@@ -95,11 +111,12 @@ FRACTION_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regi
                  "clip_ratio/high_max", "cispo_clip_ratio")
 
 
-def assert_same_logs(trl_logs, kl_logs):
+def assert_same_logs(trl_logs, kl_logs, **tolerances):
+    """The two runs' logs agree (``TOLERANCES``, updated by ``tolerances``: key -> (rtol, atol))."""
     assert len(trl_logs) == len(kl_logs) == 4
     for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
         assert set(a) == set(b), (step, set(a) ^ set(b))
-        for key, (rtol, atol) in TOLERANCES.items():
+        for key, (rtol, atol) in {**TOLERANCES, **tolerances}.items():
             if key in a:
                 assert math.isclose(a[key], b[key], rel_tol=rtol, abs_tol=atol), (step, key, a[key], b[key])
         for key in FRACTION_KEYS:
