@@ -24,6 +24,10 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   not compute yet (``is_top1``: SFT's token accuracy; ``mean_logits``: DPO's and KTO's logged logits;
   ``log_sum_sq_probs``: DPO's WPO weight), a model with MoE router losses or with a PEFT adapter on the head keeps
   TRL's head, with a log line naming the reason.
+- ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
+  which the experimental trainers that still build the ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO,
+  SDPO, SDFT, A2PO): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
+  logits' dtype (TRL's CPU path returns the logits' dtype).
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
@@ -68,7 +72,7 @@ from typing import Optional
 import torch
 
 import kltriton
-from kltriton import heads
+from kltriton import dropins, heads
 from kltriton.integrations._patch import Integration, Patch
 from kltriton.linear_logits import head_scaling
 
@@ -106,6 +110,7 @@ def _install(patch: Patch) -> None:
 
     patch.swap("trl", trl_add_fused_lm_head, add_fused_lm_head)  # every trainer module's copy, and utils'
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
+    _install_logit_helpers(patch)
     _install_distillation(patch)
     if _switches["truncation"]:
         _install_truncation(patch, grpo_trainer)
@@ -202,6 +207,19 @@ def _log_once(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- head
+_LOGIT_HELPERS = ("selective_log_softmax", "selective_log_softmax_and_entropy", "entropy_from_logits")
+
+
+def _install_logit_helpers(patch: Patch) -> None:
+    """TRL's helpers on full logits (``_LOGIT_HELPERS``), which the experimental trainers that still build the
+    ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO, SDPO, SDFT, A2PO): ``kltriton.dropins`` in every
+    TRL module that holds them."""
+    from trl.trainer import utils as trl_utils
+
+    for name in _LOGIT_HELPERS:
+        patch.swap("trl", patch.resolve(trl_utils, name), getattr(dropins, name))
+
+
 def _head_scaling(model):
     """``(logit_scale, softcap)`` of the model's LM head (``kltriton.linear_logits.head_scaling``, TRL's reading
     of the config), or a string saying why kltriton's head can't serve the model."""

@@ -44,6 +44,7 @@ def installed(*packages) -> bool:
 GRPO = dict(job="grpo", batch=8, steps=2)
 # TRL takes the entropy mask's quantile over every rank's tokens: kltriton's integration keeps TRL's loss then.
 GRPO_ENTROPY_MASK = dict(GRPO, name="grpo_entropy_mask", top_entropy_quantile=0.5)
+RLOO = dict(job="rloo", batch=8, steps=2)
 GKD = dict(job="gkd", batch=8, steps=2)
 DISTILLATION = dict(job="distillation", batch=8, steps=2)
 VERL = dict(job="verl", sequences=8, temperature=0.9)
@@ -56,7 +57,7 @@ def references(models, tmp_path_factory):
     """``{job: result}`` of the single-process float64 runs, for the libraries installed."""
     jobs = []
     if installed("trl", "deepspeed"):
-        jobs += [GRPO, GRPO_ENTROPY_MASK, GKD, DISTILLATION]
+        jobs += [GRPO, GRPO_ENTROPY_MASK, RLOO, GKD, DISTILLATION]
     if installed("verl", "tensordict"):
         jobs.append(VERL)
     if installed("openrlhf", "deepspeed"):

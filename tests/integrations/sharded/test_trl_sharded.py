@@ -1,5 +1,5 @@
 """TRL 1.16 with ``kltriton.integrations.trl.apply()`` on 2 CPU processes (gloo), every layout a user trains with:
-``GRPOTrainer``, ``GKDTrainer`` and ``DistillationTrainer``, two optimizer steps (SGD) each. The logged loss and
+``GRPOTrainer``, ``RLOOTrainer`` (its head), ``GKDTrainer`` and ``DistillationTrainer``, two optimizer steps (SGD) each. The logged loss and
 metrics of both steps and the first step's parameter gradients (gathered whole from every wrapper) equal a
 single-process float64 run of the same model, data and seed with TRL's own code; the log says kltriton scored,
 with no fallback line.
@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 
 import compare  # noqa: E402
 import launch  # noqa: E402
-from conftest import DISTILLATION, GKD, GRPO, GRPO_ENTROPY_MASK  # noqa: E402
+from conftest import DISTILLATION, GKD, GRPO, GRPO_ENTROPY_MASK, RLOO  # noqa: E402
 
 LAYOUTS = {
     "ddp": "DDP, find_unused_parameters=False",
@@ -42,6 +42,7 @@ TENSOR_PARALLEL = ("tp_plan", "tp_head")
 # standard deviation is over the duplicated rewards. kltriton computes neither.
 TRL_DUPLICATED = ("num_tokens", "rewards/reward_ids/std", "reward_std")
 TRAINERS = {"grpo": (GRPO, tuple(LAYOUTS)),
+            "rloo": (RLOO, ("ddp", "fsdp2_head", "zero3")),  # the same head as GRPO's: its three kinds of wrapper
             "gkd": (GKD, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16"))),
             "distillation": (DISTILLATION, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16")))}
 CASES = [(trainer, layout) for trainer, (_, layouts) in TRAINERS.items() for layout in layouts]
@@ -84,9 +85,11 @@ def test_trainer_equals_one_process_float64(trainer, layout, runs, references):
     # kltriton scored, and said so; no fallback
     assert not [line for line in run["lines"] if "TRL's own" in line or "keeps TRL's" in line], run["lines"]
     scored = {"grpo": "GRPOTrainer loss: kltriton.policy_loss", "gkd": "GKDTrainer loss: kltriton.token_divergence",
-              "distillation": "DistillationTrainer loss: kltriton.token_divergence"}[trainer]
+              "distillation": "DistillationTrainer loss: kltriton.token_divergence",
+              "rloo": "scores its log_probs and entropy with kltriton's LM head"}[trainer]
     assert any(scored in line for line in run["lines"]), run["lines"]
-    assert run["calls"]["policy_loss" if trainer == "grpo" else "token_divergence"] >= 2, run["calls"]
+    counted = {"grpo": "policy_loss", "rloo": "token_logprobs"}.get(trainer, "token_divergence")
+    assert run["calls"][counted] >= 2, run["calls"]
     if layout in TENSOR_PARALLEL:  # vocab-parallel from the DTensor head: no logits built, not even a shard's
         assert run["logits_built"] == 0, run["logits_built"]
     # the numbers

@@ -364,6 +364,21 @@ def grpo(spec, out, world):
     return run(trainer, spec)
 
 
+def rloo(spec, out, world):
+    """``RLOOTrainer``: generation batches of 4 prompts x 4 completions, two passes each, a reference model (the KL
+    term on); TRL's loss on the log-probs of kltriton's head."""
+    from datasets import Dataset
+    from trl import RLOOConfig, RLOOTrainer
+
+    args = common_arguments(spec, out, world)
+    args.update(per_device_train_batch_size=spec["batch"] // data_parallel(spec, world), num_generations=4,
+                max_completion_length=6, num_iterations=2, epsilon=0.1, beta=0.1, temperature=0.9,
+                model_init_kwargs={"dtype": "auto"})
+    trainer = RLOOTrainer(model=model_path(spec), reward_funcs=reward_ids, args=RLOOConfig(**args),
+                          train_dataset=Dataset.from_dict({"prompt": prompts(spec["batch"] * spec["steps"], length=4)}))
+    return run(trainer, spec)
+
+
 def gkd(spec, out, world):
     """``GKDTrainer`` on fixed completions (``lmbda=0``: no generation), a wider teacher."""
     from datasets import Dataset
@@ -842,7 +857,7 @@ def describe(trainer):
             "fsdp_units": units, "zero_stage": stage}
 
 
-JOBS = {"grpo": grpo, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
+JOBS = {"grpo": grpo, "rloo": rloo, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
         "heads": heads_job, "tensor_parallel": tensor_parallel_head, "heads_2d": heads_2d}
 
 
@@ -940,8 +955,8 @@ def main(path):
             from openrlhf_support import stub_flash_attn
 
             stub_flash_attn()
-        if spec.get("kltriton", True) and layout != "reference" and spec["job"] in ("grpo", "gkd", "distillation",
-                                                                                     "verl", "openrlhf"):
+        if spec.get("kltriton", True) and layout != "reference" and spec["job"] in ("grpo", "rloo", "gkd",
+                                                                                     "distillation", "verl", "openrlhf"):
             patch = integration(spec["job"]).apply()
         try:
             result = JOBS[spec["job"]](spec, out, world)
