@@ -1,4 +1,5 @@
 """TRL integration: GRPOTrainer trains on a tiny Llama with and without kltriton, same seed, same metrics."""
+import contextlib
 import math
 import subprocess
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("trl")
 
@@ -88,6 +90,49 @@ def test_rloo_trains_the_same_with_kltriton_head(model_dir, tmp_path, monkeypatc
     # RLOO's loss is its policy term alone, O(1) advantage-weighted ratios of both signs that nearly cancel (about
     # 1e-2 here): judged like GRPO's policy_loss, at 1e-5 absolute.
     assert_same_logs(trl_logs, kl_logs, loss=TOLERANCES["policy_loss"])
+
+
+class _LargestLogits(TorchDispatchMode):
+    """The most elements of any tensor an op makes whose last dimension is the vocabulary ``vocab``."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("kltriton_head", [True, False])
+def test_the_head_builds_no_logits_of_the_batch(kltriton_head, model_dir, monkeypatch):
+    """Forward and backward through the fused head of a batch of N = 8 x 40 positions: kltriton's head makes no
+    tensor of N x V / 2 elements or more (its working tile: 64 rows); TRL's own head on a CPU (every position in one
+    chunk) does, which shows the check can fail."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer import grpo_trainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    vocab = model.config.vocab_size
+    # The tile's budget as a real vocabulary sets it: 2^23 elements are 256 rows at V = 32000, but would be the
+    # 1024-row cap at this tiny V = 18, more than the batch; 64 rows (the least) stand for a batch of thousands.
+    monkeypatch.setenv("KLTRITON_LINEAR_TILE", str(64 * vocab))
+    ids = torch.randint(3, vocab, (8, 40), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(40) < 4, -100, ids)
+    with kl_trl.apply() if kltriton_head else contextlib.nullcontext():
+        grpo_trainer.add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+        watch = _LargestLogits(vocab)
+        with watch:
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+            (out.loss + out.entropy.sum()).backward()
+    n = ids.numel()
+    if kltriton_head:
+        assert 0 < watch.largest < n * vocab // 2, (watch.largest, n * vocab)
+    else:
+        assert watch.largest >= n * vocab // 2, (watch.largest, n * vocab)
 
 
 @pytest.mark.parametrize("module, outputs, missing", [
