@@ -1,6 +1,7 @@
 """Benchmark log-probs from hidden states: ``kltriton.LinearLogits`` against eager (``hidden @ W.T``
-then ``log_softmax`` + gather), TRL 1.16's ``ChunkedLogProbFunction`` (when installed) and the GEMM
-floor (the matmuls kltriton does, alone), in time and peak memory.
+then ``log_softmax`` + gather), TRL 1.16's ``ChunkedLogProbFunction`` (when installed; the head of every TRL
+trainer) and the GEMM floor (the matmuls kltriton does, alone), in time and peak memory: the log-probs alone, and
+with the entropy (``*_entropy``: what TRL's GRPO and RLOO heads ask for; the backward through both).
 
 Its inputs are hidden states and an LM head, not logits, so it runs on its own on the harness's
 timers and memory probe: ``python -m benchmarks.bench_linear_logits [--tokens N --hidden H --vocab V
@@ -37,13 +38,34 @@ def _eager(h, w, labels):
     return torch.log_softmax((h @ w.T).float(), -1).gather(-1, labels[:, None]).squeeze(-1)
 
 
-def _trl(h, w, labels):
+def _trl(h, w, labels, outputs=("log_probs",)):
+    """TRL's fused head asked for ``outputs`` (its default asks for every optional statistic: name them)."""
     from trl.kernels import ChunkedLogProbFunction
 
-    return ChunkedLogProbFunction.apply(h, w, None, labels, 1.0, 32768)[0]
+    return ChunkedLogProbFunction.apply(h, w, None, labels, 1.0, 32768, None, 1.0, outputs)
 
 
-METHODS = {"kltriton": _kltriton, "eager": _eager, "trl": _trl}
+def _with_entropy(h, w, labels):
+    """kltriton's log-probs and entropy, summed: the backward goes through both (GRPO with an entropy bonus)."""
+    import kltriton
+
+    logp, entropy = kltriton.token_logprobs(kltriton.LinearLogits(h, w), labels, return_entropy=True)
+    return logp + entropy
+
+
+def _eager_with_entropy(h, w, labels):
+    logp = torch.log_softmax((h @ w.T).float(), -1)
+    return logp.gather(-1, labels[:, None]).squeeze(-1) - (logp.exp() * logp).sum(-1)
+
+
+def _trl_with_entropy(h, w, labels):
+    logp, entropy = _trl(h, w, labels, ("log_probs", "entropy"))[:2]
+    return logp + entropy
+
+
+# The log-probs alone, and with the entropy (what TRL's GRPO and RLOO heads ask for).
+METHODS = {"kltriton": _kltriton, "eager": _eager, "trl": lambda h, w, labels: _trl(h, w, labels)[0],
+           "kltriton_entropy": _with_entropy, "eager_entropy": _eager_with_entropy, "trl_entropy": _trl_with_entropy}
 
 
 def _gemm_floor(mode):
@@ -79,7 +101,7 @@ def call(name, mode, h, w, labels, grad):
 
 
 def available(name):
-    return harness.missing_note("trl", "trl.kernels:ChunkedLogProbFunction") if name == "trl" else None
+    return harness.missing_note("trl", "trl.kernels:ChunkedLogProbFunction") if name.startswith("trl") else None
 
 
 def peak_child(args):
@@ -95,7 +117,7 @@ def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
     kltriton.set_validation(False)
     env = harness.environment("cpu")
     h, w, labels, grad = make(tokens, hidden, vocab, harness.DTYPES[dtype])
-    names = ["gemm_floor", "kltriton", "eager", "trl"]
+    names = ["gemm_floor", *METHODS]
     rows, samples = [], {}
     for name in names:
         note = available(name)
@@ -118,7 +140,7 @@ def run(tokens, hidden, vocab, dtype, rounds=3, log=print):
                    repeats=len(times), ratio_to_gemm_floor=median / floor, peak_mem_bytes=peak,
                    mem_method=harness.CPU_MEM_METHOD)
         rows.append(row)
-        log(f"{name:11s} {mode:10s} {median:9.1f} ms  x{median / floor:5.2f} of GEMM floor  "
+        log(f"{name:16s} {mode:10s} {median:9.1f} ms  x{median / floor:5.2f} of GEMM floor  "
             f"peak {'-' if peak is None else f'{peak / 2**20:7.0f} MiB'}")
     return rows
 

@@ -32,6 +32,18 @@ def tiny_llama(path, seed=0, hidden_size=32):
     tokenizer.save_pretrained(path)
 
 
+def tie_head_rows(model_dir):
+    """Make the LM head's rows of each token pair (2k, 2k + 1) equal (saved back to ``model_dir``): every position's
+    logits then tie in pairs, so a label is its row's argmax only as the earlier of its pair (``argmax``'s rule)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        weight = model.lm_head.weight
+        weight[1::2] = weight[0::2][:weight[1::2].shape[0]]
+    model.save_pretrained(model_dir)
+
+
 def tiny_mixtral(path):
     """A 1-layer Mixtral (2 experts) that returns its router logits: TRL adds its load-balancing loss."""
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -77,6 +89,34 @@ def train_rloo(model_dir, out_dir, **overrides):
     args.update(overrides)
     trainer = RLOOTrainer(model=str(model_dir), reward_funcs=reward_cats, args=RLOOConfig(**args),
                           train_dataset=dataset())
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+PREFERENCES = {"prompt": ["the cat sat on", "a dog ran and", "the big red", "then a small"] * 2,
+               "chosen": [" the mat", " then sat", " cat ran", " dog sat on the log"] * 2,
+               "rejected": [" a log", " a big dog", " blue mat and", " red"] * 2}
+
+
+def train_offline(trainer_name, model_dir, out_dir, steps=3, **overrides):
+    """Run TRL's ``SFTTrainer`` (prompt-completion pairs), ``DPOTrainer`` (preferences) or ``KTOTrainer`` (labelled
+    completions) for ``steps`` fp32 SGD steps on a tiny dataset; return the per-step logs."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = {"sft": {"prompt": PREFERENCES["prompt"], "completion": PREFERENCES["chosen"]},
+            "dpo": PREFERENCES,
+            "kto": {"prompt": PREFERENCES["prompt"], "completion": PREFERENCES["chosen"],
+                    "label": [True, False, True, False] * 2}}[trainer_name]
+    prefix = trainer_name.upper()
+    args = dict(output_dir=str(out_dir), report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                per_device_train_batch_size=4, max_steps=steps, learning_rate=0.05, optim="sgd", logging_steps=1,
+                save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, max_length=16)
+    args.update(overrides)
+    trainer = getattr(trl, f"{prefix}Trainer")(
+        model=AutoModelForCausalLM.from_pretrained(model_dir), args=getattr(trl, f"{prefix}Config")(**args),
+        train_dataset=Dataset.from_dict(data), processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
     return [log for log in trainer.state.log_history if "loss" in log]
 
