@@ -20,11 +20,15 @@ FLAG_SLOTS = ("bits", "label", "cu_first", "cu_last")  # the bits, a bad label, 
 # A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
 ENTROPY, REF, FULL_KL = 1, 2, 4
 FORWARD_KL = 8  # KL(q || p) of the reference (a distillation teacher) against the policy (the student)
+# A trainer head's three metrics (TRL's FusedCausalLMOutput): is_top1, mean_logits, log_sum_sq_probs, one bit for the
+# three (each is one more term of the same pass); policy rows only: never with the reference bits.
+HEAD = 16
 NEEDS_REF = REF | FULL_KL | FORWARD_KL  # the request bits that read the reference logits
 # The statistics in the order of every bundle (``StreamStats``; the kernels' stacked ``[NUM_STATS, N]`` outputs,
 # indexed by position here), with the request bit that asks for each.
 STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),
-              ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL))
+              ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL),
+              ("is_top1", HEAD), ("mean_logits", HEAD), ("log_sum_sq_probs", HEAD))
 # The stream backward's gradient, per row, on this basis (each coefficient already divided by T; the kernels take
 # the coefficients as one stacked ``[len(GRADIENT_BASIS), N]`` tensor, indexed by position here):
 #   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q

@@ -118,6 +118,18 @@ def _logsumexp(name):
     return lambda pieces: torch.logsumexp(pieces.local[name], 0)
 
 
+def _log_sum_sq_probs(pieces: Pieces) -> torch.Tensor:
+    """``log sum_v p_v^2`` of whole rows: ``logsumexp_k (local_k + 2 shift_k)`` (a piece's ``p = w_k p_k``)."""
+    return torch.logsumexp(pieces.local["log_sum_sq_probs"] + 2 * pieces.shift, 0)
+
+
+def _not_merged(name):
+    def refuse(pieces: Pieces) -> torch.Tensor:
+        raise NotImplementedError(f"kltriton: {name} of vocab pieces (LM-head tiles, vocab shards) is not merged yet: "
+                                  "it needs each piece's maximum and width; pass dense, unsharded logits")
+    return refuse
+
+
 SPECS = {
     "logp": Statistic("logp", 0, lambda pc: _label_logp(pc.local["logp"], pc.shift), _logp_gradient),
     "lse": Statistic("lse", 0, _logsumexp("lse")),
@@ -132,6 +144,11 @@ SPECS = {
     "forward_kl": Statistic("forward_kl", constants.FORWARD_KL,
                             lambda pc: _kl_pieces(pc.ref_w, pc.local["forward_kl"], pc.ref_shift, pc.shift),
                             _forward_kl_gradient),
+    # A trainer head's metrics, no gradient. is_top1 (1.0 / 0.0) and mean_logits do not merge from the local values
+    # alone (a piece's maximum and width are not statistics), so only whole rows compute them for now.
+    "is_top1": Statistic("is_top1", constants.HEAD, _not_merged("is_top1")),
+    "mean_logits": Statistic("mean_logits", constants.HEAD, _not_merged("mean_logits")),
+    "log_sum_sq_probs": Statistic("log_sum_sq_probs", constants.HEAD, _log_sum_sq_probs),
 }
 STATISTICS: Tuple[Statistic, ...] = tuple(SPECS[name] for name, _ in constants.STATISTICS)
 assert all(SPECS[name].request == bit for name, bit in constants.STATISTICS)
@@ -145,12 +162,16 @@ StreamStats.__doc__ = ("Per-row statistics ``[N]`` in ``constants.STATISTICS`` o
 StatsTuple = Tuple[(torch.Tensor,) * len(NAMES)]
 
 
-def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False) -> int:
-    """The request bits of a forward (``full_kl`` and ``forward_kl`` need ``ref``)."""
+def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False, head=False) -> int:
+    """The request bits of a forward (``full_kl`` and ``forward_kl`` need ``ref``; ``head``, the trainer head's
+    ``is_top1`` / ``mean_logits`` / ``log_sum_sq_probs``, is for policy rows only: never with ``ref``)."""
     if (full_kl or forward_kl) and not ref:
         raise ValueError("the full KL needs reference logits")
+    if head and ref:
+        raise ValueError("the head statistics (is_top1, mean_logits, log_sum_sq_probs) are of the policy alone")
     return ((constants.ENTROPY if entropy else 0) | (constants.REF if ref else 0)
-            | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0))
+            | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0)
+            | (constants.HEAD if head else 0))
 
 
 def present(request: int, name: str) -> bool:
