@@ -79,6 +79,8 @@ def statistics(call: Call, request: int) -> StreamStats:
     """``StreamStats`` (``[N]``) of the call's policy (and reference, no gradient) at its targets, differentiable
     w.r.t. the policy's logits or hidden states, weight and bias. With a truncation, of the policy's truncated
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
+    if request & constants.HEAD:
+        check_head(call)
     if invariant.enabled():
         return invariant_statistics(call, request)
     if call.truncation is not None:
@@ -87,6 +89,20 @@ def statistics(call: Call, request: int) -> StreamStats:
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
     return StreamStats(*statistics_ops.statistics(*args[:-1], True, args[-1])[:len(table.NAMES)])
+
+
+def check_head(call: Call):
+    """The head's statistics (``constants.HEAD``: is_top1, mean_logits, log_sum_sq_probs) are computed from whole rows
+    of dense logits only, for now: from vocab pieces (LM-head tiles, vocab shards) is_top1 and the mean need each
+    piece's maximum and width, which the merge does not have yet; the truncation and the invariant mode have their own
+    passes."""
+    where = ("an LM head (LinearLogits)" if call.policy.weight is not None else
+             "vocab-sharded logits" if call.shard is not None else
+             "a truncation" if call.truncation is not None else
+             "the invariant mode" if invariant.enabled() else None)
+    if where is not None:
+        raise NotImplementedError(f"kltriton: is_top1, mean_logits and log_sum_sq_probs are not available with {where} "
+                                  "yet; pass whole rows of dense logits")
 
 
 def invariant_statistics(call: Call, request: int) -> StreamStats:
