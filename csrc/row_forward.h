@@ -42,8 +42,9 @@ enum Stat : int {
   kStatFullKl = KLTRITON_STAT_FULL_KL,
   kStatForwardKl = KLTRITON_STAT_FORWARD_KL,
   kStatIsTop1 = KLTRITON_STAT_IS_TOP1,
-  kStatMeanLogits = KLTRITON_STAT_MEAN_LOGITS,
+  kStatSumLogits = KLTRITON_STAT_SUM_LOGITS,
   kStatLogSumSqProbs = KLTRITON_STAT_LOG_SUM_SQ_PROBS,
+  kStatMaxLogit = KLTRITON_STAT_MAX_LOGIT,
 };
 constexpr int kNumStats = KLTRITON_NUM_STATS;
 
@@ -53,7 +54,7 @@ enum ModeBit : int {
   kRef = KLTRITON_STAT_REF_LOGP_REQUEST,
   kFullKl = KLTRITON_STAT_FULL_KL_REQUEST,
   kForwardKl = KLTRITON_STAT_FORWARD_KL_REQUEST,
-  kHead = KLTRITON_STAT_IS_TOP1_REQUEST,  // is_top1, mean_logits, log_sum_sq_probs (policy rows only)
+  kHead = KLTRITON_STAT_IS_TOP1_REQUEST,  // is_top1, sum_logits, log_sum_sq_probs, max_logit (policy rows only)
 };
 // The forward variants, by whether they read a reference row: every request with the reference bits (any subset
 // of the others but the head's), and every request without them.
@@ -75,8 +76,9 @@ inline bool stat_present(int stat, int64_t wanted) {
     case kStatFullKl: bit = KLTRITON_STAT_FULL_KL_REQUEST; break;
     case kStatForwardKl: bit = KLTRITON_STAT_FORWARD_KL_REQUEST; break;
     case kStatIsTop1: bit = KLTRITON_STAT_IS_TOP1_REQUEST; break;
-    case kStatMeanLogits: bit = KLTRITON_STAT_MEAN_LOGITS_REQUEST; break;
+    case kStatSumLogits: bit = KLTRITON_STAT_SUM_LOGITS_REQUEST; break;
     case kStatLogSumSqProbs: bit = KLTRITON_STAT_LOG_SUM_SQ_PROBS_REQUEST; break;
+    case kStatMaxLogit: bit = KLTRITON_STAT_MAX_LOGIT_REQUEST; break;
     default: break;
   }
   return bit == 0 || (wanted & bit) != 0;
@@ -368,13 +370,15 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
     }
   }
   if constexpr (HEAD) {
-    if (!cx.bad) {  // all -inf: the mean is -inf
+    if (!cx.bad) {  // all -inf: the sum and the max are -inf
       alignas(64) float az[kW];
       st.xsum.store(az);
       double z = 0.0;
       for (int64_t l = 0; l < kW; ++l) z += az[l];
-      z = z / kH + tail_sum;
-      r.v[kStatMeanLogits] = static_cast<float>(z * (static_cast<double>(hi) + lo) / static_cast<double>(V));
+      z += tail_sum * kH;  // in units of h: kH is constants.LOGIT_SUM_SCALE
+      r.v[kStatSumLogits] = static_cast<float>(z * (static_cast<double>(hi) + lo));
+      // A NaN logit that the max skipped shows in the sum of exponentials: NaN.
+      r.v[kStatMaxLogit] = cx.dead ? -kInf : std::isnan(cx.s) ? kNaN : static_cast<float>(cx.mi);
     }
   }
   if constexpr (REF) {

@@ -92,17 +92,14 @@ def statistics(call: Call, request: int) -> StreamStats:
 
 
 def check_head(call: Call):
-    """The head's statistics (``constants.HEAD``: is_top1, mean_logits, log_sum_sq_probs) are computed from whole rows
-    of dense logits only, for now: from vocab pieces (LM-head tiles, vocab shards) is_top1 and the mean need each
-    piece's maximum and width, which the merge does not have yet; the truncation and the invariant mode have their own
-    passes."""
-    where = ("an LM head (LinearLogits)" if call.policy.weight is not None else
-             "vocab-sharded logits" if call.shard is not None else
-             "a truncation" if call.truncation is not None else
+    """The head's statistics (``constants.HEAD``: is_top1, the sum and max of the logits, log_sum_sq_probs) come from
+    the stream family (dense logits, LM-head tiles, vocab shards); the truncation and the invariant mode have passes of
+    their own that do not compute them yet."""
+    where = ("a truncation" if call.truncation is not None else
              "the invariant mode" if invariant.enabled() else None)
     if where is not None:
         raise NotImplementedError(f"kltriton: is_top1, mean_logits and log_sum_sq_probs are not available with {where} "
-                                  "yet; pass whole rows of dense logits")
+                                  "yet")
 
 
 def invariant_statistics(call: Call, request: int) -> StreamStats:

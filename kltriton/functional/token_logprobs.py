@@ -6,7 +6,7 @@ import torch
 
 from kltriton import route
 from kltriton.front_door import enter
-from kltriton.kernels import statistics
+from kltriton.kernels import constants, statistics
 
 # The per-token values ``outputs=`` may ask for besides the log-prob (TRL's ``FusedCausalLMOutput`` names).
 OUTPUTS = ("entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
@@ -88,8 +88,8 @@ def token_logprobs(
             the logits (bool; the first maximum wins a tie, as ``torch.argmax``); ``mean_logits``: the mean of
             ``logits / T`` over the ``V`` entries (a ``-inf`` entry makes it ``-inf``, as TRL's sum);
             ``log_sum_sq_probs``: ``log sum_v p_v^2`` of ``softmax(logits / T)``. No gradient; 0 / False where not
-            scored. Dense logits only for now (not a ``LinearLogits``, vocab shards, a truncation or the invariant
-            mode). See ``docs/api/token_logprobs.md``.
+            scored. Dense logits, a ``LinearLogits`` and vocab shards; not with a truncation or the invariant mode
+            yet. See ``docs/api/token_logprobs.md``.
 
     Returns:
         ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``, or with ``outputs`` a
@@ -110,7 +110,10 @@ def token_logprobs(
     logp = stats.logp.view(shape)
     if wanted is None:
         return (logp, stats.entropy.view(shape)) if return_entropy else logp
-    values = {name: getattr(stats, name).view(shape) for name in wanted}
+    values = {name: getattr(stats, name).view(shape) for name in wanted if name != "mean_logits"}
     if "is_top1" in values:
         values["is_top1"] = values["is_top1"] == 1  # NaN (no distribution, or a label out of range): False
+    if "mean_logits" in wanted:
+        # The sum (kept times LOGIT_SUM_SCALE, merged over vocab pieces) divided by V before it is scaled back.
+        values["mean_logits"] = stats.sum_logits.view(shape) / call.vocab * (1 / constants.LOGIT_SUM_SCALE)
     return TokenOutputs(logp, **values)

@@ -345,10 +345,10 @@ def load_states(ptr, real):
 
 
 @triton.jit
-def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr, vocab=1):
+def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
     """A scored row's statistics from its merged state, in ``constants.STATISTICS`` order: ``(logp, lse,
-    entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, mean_logits, log_sum_sq_probs)``; those ``WANT`` does not
-    ask for are 0. ``vocab``: the row's length (the mean)."""
+    entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, sum_logits, log_sum_sq_probs, max_logit)``; those
+    ``WANT`` does not ask for are 0."""
     m, s, t, my, sy, u, v, b, z, q = state
     f = _frame(m)
     log_s = tl.log(s)
@@ -371,28 +371,32 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr, vocab
         if WANT_FORWARD_KL & WANT:
             forward_kl = nonnegative(v / sy * (inv_temperature / H) - log_sy + log_s)
     is_top1 = 0.0
-    mean_logits = 0.0
+    sum_logits = 0.0
     log_sum_sq_probs = 0.0
+    max_logit = 0.0
     if WANT_HEAD & WANT:
         # argmax's rule: the label is the first maximum. No distribution (s = 0: all -inf; NaN: a NaN or +inf
-        # logit): NaN, but the mean of all -inf logits is -inf.
+        # logit): NaN, but the sum and the max of all -inf logits are -inf.
         has_mass = (s > 0) & (s < float("inf"))
         is_top1 = tl.where(has_mass, tl.where((x_label >= m) & (x_label > b), 1.0, 0.0), float("nan"))
-        mean = z.to(tl.float64) * (1.0 / H) * inv_temperature.to(tl.float64) / vocab
-        mean_logits = tl.where(s >= 0, mean.to(tl.float32), float("nan"))
+        total = z.to(tl.float64) * inv_temperature.to(tl.float64)  # in units of h (H: constants.LOGIT_SUM_SCALE)
+        sum_logits = tl.where(s >= 0, total.to(tl.float32), float("nan"))
         log_sum_sq_probs = tl.log(q) - 2.0 * log_s
-    return logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, mean_logits, log_sum_sq_probs
+        max_logit = tl.where(s >= 0, m, float("nan"))
+    return (logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, sum_logits, log_sum_sq_probs,
+            max_logit)
 
 
 @triton.jit
 def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                forward_kl_ptr=None, is_top1_ptr=None, mean_logits_ptr=None, log_sum_sq_probs_ptr=None):
+                forward_kl_ptr=None, is_top1_ptr=None, sum_logits_ptr=None, log_sum_sq_probs_ptr=None,
+                max_logit_ptr=None):
     """``values`` to the present outputs' ``ptr + row``, both in ``constants.STATISTICS`` order (absent ones are None;
     passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function, and a custom op's outputs may
     not be views of one stacked buffer). A statistic added later takes a trailing ``..._ptr=None`` parameter, so
     kernels that never produce it need no change."""
     pointers = (logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr, forward_kl_ptr, is_top1_ptr,
-                mean_logits_ptr, log_sum_sq_probs_ptr)
+                sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr)
     for i in tl.static_range(NUM_STATISTICS):
         if pointers[i] is not None:
             tl.store(pointers[i] + row, values[i])
@@ -403,7 +407,7 @@ def skipped_stats(target):
     """The statistics of a row that is not scored (never read): ``SKIP`` -> 0, ``OUT_OF_RANGE`` -> NaN;
     the log-sum-exps 0."""
     skipped = tl.where(target == SKIP, 0.0, float("nan"))
-    return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped, skipped, skipped, skipped
+    return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped, skipped, skipped, skipped, skipped
 
 
 # --- per-token KL estimators and packed sequences ---------------------------------------------------------------

@@ -69,6 +69,29 @@ def test_outputs_with_shift_labels_and_mask(backend, device):
     assert not out.is_top1[:, -1].any() and (out.mean_logits[:, -1] == 0).all()
 
 
+@pytest.mark.parametrize("tile", [None, 64 * 97], ids=["whole-vocab", "vocab-tiles"])
+def test_linear_logits_match_the_dense_oracle(backend, dtype, tile):
+    """An LM head (``LinearLogits``) cut into vocab tiles gives the dense logits' values: small integer hidden states
+    and weights make every logit an exact integer in any summation order, with ties inside and across tiles."""
+    vocab, hidden = 1001, 8
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randint(-3, 4, (3, 5, hidden), generator=gen).to(dtype)
+    w = torch.randint(-3, 4, (vocab, hidden), generator=gen).to(dtype)
+    labels = random_labels((3, 5), vocab)
+    logits = h.double() @ w.double().T
+    labels[0, 0] = int(logits[0, 0].argmax())          # the first maximum: True
+    top = (logits[0, 1] == logits[0, 1].max()).nonzero().squeeze(1)
+    labels[0, 1] = int(top[-1])                        # the last of the maxima: True only if it is the only one
+    head = kltriton.LinearLogits(h, w, tile_elements=tile)
+    out = kltriton.token_logprobs(head, labels, temperature=0.7, backend=backend,
+                                  outputs=("is_top1", "mean_logits", "log_sum_sq_probs"))
+    is_top1, mean, log_sum_sq = expected(logits, labels, 0.7)
+    assert torch.equal(out.is_top1, is_top1) and out.is_top1[0, 0]
+    z = logits / 0.7
+    assert_close(out.log_sum_sq_probs, log_sum_sq, 64 * EPS32 * (1 + z.abs().amax().item()), what="log_sum_sq_probs")
+    assert_close(out.mean_logits, mean, 1e-5 * z.abs().mean().item(), what="mean_logits")
+
+
 def test_outputs_refused_where_not_available():
     logits = torch.randn(4, 50)
     labels = torch.randint(0, 50, (4,))
@@ -76,11 +99,15 @@ def test_outputs_refused_where_not_available():
         kltriton.token_logprobs(logits, labels, outputs=("top1",))
     with pytest.raises(ValueError, match="return_entropy"):
         kltriton.token_logprobs(logits, labels, outputs=("entropy",), return_entropy=True)
-    head = kltriton.LinearLogits(torch.randn(4, 8), torch.randn(50, 8))
-    with pytest.raises(NotImplementedError, match="LinearLogits"):
-        kltriton.token_logprobs(head, labels, outputs=("is_top1",))
     with pytest.raises(NotImplementedError, match="truncation"):
         kltriton.token_logprobs(logits, labels, outputs=("mean_logits",), truncation=kltriton.Truncation(top_k=5))
+    previous = kltriton.set_invariant(True)
+    try:
+        with pytest.raises(NotImplementedError, match="invariant"):
+            kltriton.token_logprobs(logits, labels, outputs=("is_top1",))
+    finally:
+        kltriton.set_invariant(previous)
     # Only the log-prob and the entropy: every input kind as before.
-    out = kltriton.token_logprobs(head, labels, outputs=("entropy",))
+    out = kltriton.token_logprobs(kltriton.LinearLogits(torch.randn(4, 8), torch.randn(50, 8)), labels,
+                                  outputs=("entropy",))
     assert out.is_top1 is None and out.entropy.shape == (4,)

@@ -24,9 +24,10 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     statistic is finite and exact wherever the float64 answer rounded to fp32 is (``x / T`` must be an
     fp32 number for the row's max).
     ``HEAD`` (no gradient): ``is_top1`` 1.0 where the label is the row's first maximum (``torch.argmax``'s rule, on
-    the logits themselves: exact), else 0.0; ``mean_logits`` ``sum_v x_v / T / V`` (``-inf`` for a ``-inf`` entry,
-    finite for ``finfo.min`` ones); ``log_sum_sq_probs`` ``log sum_v p_v^2``. A row of all ``-inf`` logits has
-    ``mean_logits = -inf`` and NaN for the other two; a NaN logit gives NaN for the three.
+    the logits themselves: exact), else 0.0; ``sum_logits`` ``sum_v x_v / T`` times ``constants.LOGIT_SUM_SCALE``
+    (``-inf`` for a ``-inf`` entry; finite for ``finfo.min`` ones); ``log_sum_sq_probs`` ``log sum_v p_v^2``;
+    ``max_logit`` ``max_v x_v`` (before ``T``; exact). A row of all ``-inf`` logits has ``sum_logits = max_logit =
+    -inf`` and NaN for the other two; a NaN or ``+inf`` logit gives NaN for the four.
 
 ``backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> grad``
     The gradient w.r.t. ``logits`` on the basis of ``constants.GRADIENT_BASIS``:

@@ -54,7 +54,7 @@ def launches(vocab: int, elem_bytes: int):
         bit_names = {}  # one name per bit: its first statistic's ("reflogp" for ref_logp and ref_lse)
         for s, bit in constants.STATISTICS:
             bit_names.setdefault(bit, s.replace("_", ""))
-        bit_names[constants.HEAD] = "head"  # is_top1, mean_logits, log_sum_sq_probs
+        bit_names[constants.HEAD] = "head"  # is_top1, sum_logits, log_sum_sq_probs, max_logit
         name = _variant_name("fwd", [(bit_name, bit and request & bit) for bit, bit_name in bit_names.items()])
         absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(request, s)]
         absent += [] if request & constants.REF else ["ref_ptr"]
@@ -91,7 +91,7 @@ def _stream_forward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # [N] fp32 statistics, None if absent
-    forward_kl_ptr, is_top1_ptr, mean_logits_ptr, log_sum_sq_probs_ptr,
+    forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states (SPLIT > 1), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
@@ -108,9 +108,10 @@ def _stream_forward_kernel(
         if SPLIT == 1:
             x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
             state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC, None, target)
-            values = rows.finalize(state, x_label, y_label, inv_temperature, WANT, vocab)
+            values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
             rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                           forward_kl_ptr, is_top1_ptr, mean_logits_ptr, log_sum_sq_probs_ptr)
+                           forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
         else:
             part = tl.program_id(1)
             lo = part * CHUNK
@@ -119,7 +120,8 @@ def _stream_forward_kernel(
             rows.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE, state)
     elif tl.program_id(1) == 0:  # whatever SPLIT: the combine kernel merges the scored rows only
         rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr, forward_kl_ptr, is_top1_ptr, mean_logits_ptr, log_sum_sq_probs_ptr)
+                       full_kl_ptr, forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
 
 
 @triton.jit
@@ -128,9 +130,8 @@ def _stream_combine_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # as the forward
-    forward_kl_ptr, is_top1_ptr, mean_logits_ptr, log_sum_sq_probs_ptr,
+    forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states
-    vocab,
     temperature_ptr, temperature_stride,
     WANT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
 ):
@@ -144,9 +145,10 @@ def _stream_combine_kernel(
         part = tl.arange(0, SPLIT_P2)
         parts = partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE
         state = rows.merge(rows.load_states(parts, part < SPLIT), log2e_over_t, WANT)  # padding parts: empty states
-        values = rows.finalize(state, x_label, y_label, inv_temperature, WANT, vocab)
+        values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
         rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                       forward_kl_ptr, is_top1_ptr, mean_logits_ptr, log_sum_sq_probs_ptr)
+                       forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
 
 
 @triton.jit
@@ -208,7 +210,7 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
                                        **launch.options)
     if split > 1:
         combine = _combine_launch(split, request)
-        _stream_combine_kernel[(n,)](*views, *outputs, vocab, *temperature_args, **combine.constexprs, **combine.options)
+        _stream_combine_kernel[(n,)](*views, *outputs, *temperature_args, **combine.constexprs, **combine.options)
     return stats
 
 
