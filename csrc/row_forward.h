@@ -41,6 +41,10 @@ enum Stat : int {
   kStatRefLse = KLTRITON_STAT_REF_LSE,
   kStatFullKl = KLTRITON_STAT_FULL_KL,
   kStatForwardKl = KLTRITON_STAT_FORWARD_KL,
+  kStatIsTop1 = KLTRITON_STAT_IS_TOP1,
+  kStatSumLogits = KLTRITON_STAT_SUM_LOGITS,
+  kStatLogSumSqProbs = KLTRITON_STAT_LOG_SUM_SQ_PROBS,
+  kStatMaxLogit = KLTRITON_STAT_MAX_LOGIT,
 };
 constexpr int kNumStats = KLTRITON_NUM_STATS;
 
@@ -50,11 +54,12 @@ enum ModeBit : int {
   kRef = KLTRITON_STAT_REF_LOGP_REQUEST,
   kFullKl = KLTRITON_STAT_FULL_KL_REQUEST,
   kForwardKl = KLTRITON_STAT_FORWARD_KL_REQUEST,
+  kHead = KLTRITON_STAT_IS_TOP1_REQUEST,  // is_top1, sum_logits, log_sum_sq_probs, max_logit (policy rows only)
 };
 // The forward variants, by whether they read a reference row: every request with the reference bits (any subset
-// of the others), and every request without them.
+// of the others but the head's), and every request without them.
 template <int M>
-struct WithReference : std::bool_constant<(M & kRef) != 0> {};
+struct WithReference : std::bool_constant<(M & kRef) != 0 && (M & kHead) == 0> {};
 template <int M>
 struct WithoutReference : std::bool_constant<(M & KLTRITON_NEEDS_REF) == 0> {};
 constexpr int kRequestLimit = KLTRITON_REQUEST_LIMIT;
@@ -70,6 +75,10 @@ inline bool stat_present(int stat, int64_t wanted) {
     case kStatRefLse: bit = KLTRITON_STAT_REF_LSE_REQUEST; break;
     case kStatFullKl: bit = KLTRITON_STAT_FULL_KL_REQUEST; break;
     case kStatForwardKl: bit = KLTRITON_STAT_FORWARD_KL_REQUEST; break;
+    case kStatIsTop1: bit = KLTRITON_STAT_IS_TOP1_REQUEST; break;
+    case kStatSumLogits: bit = KLTRITON_STAT_SUM_LOGITS_REQUEST; break;
+    case kStatLogSumSqProbs: bit = KLTRITON_STAT_LOG_SUM_SQ_PROBS_REQUEST; break;
+    case kStatMaxLogit: bit = KLTRITON_STAT_MAX_LOGIT_REQUEST; break;
     default: break;
   }
   return bit == 0 || (wanted & bit) != 0;
@@ -108,15 +117,19 @@ inline bool all_finite(const Vec& v) {
 template <int MODE>
 struct LaneState {
   static constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
+  static constexpr bool HEAD = MODE & kHead;
   Vec mx, mix, sx, tx, my, miy, sy, u, v;
+  Vec xsum, qsum;  // HEAD: sum x kH (the logits' sum, scaled as h: it never overflows), sum e^2z
   Vec vinv;  // c
 
   explicit LaneState(float inv)
-      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), vinv(inv) {}
+      : mx(-kInf), mix(0.f), sx(0.f), tx(0.f), my(-kInf), miy(0.f), sy(0.f), u(0.f), v(0.f), xsum(0.f), qsum(0.f),
+        vinv(inv) {}
 
   // nv vectors given by the loaders ldx(i) / ldy(i) (floats; padding lanes are -inf). keep(i, e) receives the
   // policy's exponentials of vector i (relative to the block's frame mix), for a caller that reuses them.
-  template <typename LX, typename LY, typename KEEP>
+  // PADDED: the block has padding lanes, which the logits' sum (HEAD) leaves to the caller.
+  template <bool PADDED = false, typename LX, typename LY, typename KEEP>
   inline void block(int64_t nv, const LX& ldx, const LY& ldy, const KEEP& keep) {
     const Vec ninf(-kInf), zero(0.f);
     Vec bx = ninf, by = ninf;
@@ -151,6 +164,7 @@ struct LaneState {
     }
     if constexpr (KL) u = Vec::blendv(ax * (u - (dxh - dyh) * sx), zero, ax_zero);
     if constexpr (ENT) tx = Vec::blendv(ax * (tx - dx * sx), zero, ax_zero);
+    if constexpr (HEAD) qsum = (ax * ax) * qsum;  // e^2z moves by the square of e^z's factor
     sx = ax * sx;
     mx = mxn;
     mix = mixn;
@@ -158,12 +172,18 @@ struct LaneState {
     // Block sums relative to the new frame, two accumulators each (independent add chains).
     const Vec lowest(kLowest);
     Vec bs[2] = {zero, zero}, bt[2] = {zero, zero}, bsy[2] = {zero, zero}, bu[2] = {zero, zero};
-    Vec bv[2] = {zero, zero};
+    Vec bv[2] = {zero, zero}, bz[2] = {zero, zero}, bq[2] = {zero, zero};
+    const Vec vkh(kH);
     auto step = [&](int64_t i, int j) {
-      const Vec zx = (ldx(i) - mix) * vinv;
+      const Vec xi = ldx(i);
+      const Vec zx = (xi - mix) * vinv;
       const Vec ex = vexpz(zx);
       keep(i, ex);
       bs[j] = bs[j] + ex;
+      if constexpr (HEAD) {
+        if constexpr (!PADDED) bz[j] = at::vec::fmadd(xi, vkh, bz[j]);
+        bq[j] = at::vec::fmadd(ex, ex, bq[j]);
+      }
       // x = -inf gives z = -inf and e = 0: clamp z so that e * z is 0, not NaN.
       if constexpr (ENT) bt[j] = at::vec::fmadd(ex, at::vec::clamp_min(zx, lowest), bt[j]);
       if constexpr (REF) {
@@ -184,6 +204,10 @@ struct LaneState {
     if (i < nv) step(i, 0);
     sx = sx + (bs[0] + bs[1]);
     if constexpr (ENT) tx = tx + (bt[0] + bt[1]);
+    if constexpr (HEAD) {
+      xsum = xsum + (bz[0] + bz[1]);
+      qsum = qsum + (bq[0] + bq[1]);
+    }
     if constexpr (REF) sy = sy + (bsy[0] + bsy[1]);
     if constexpr (KL) u = u + kl_block<false>(bu[0] + bu[1], nv, ldx, ldy, vinvh);
     if constexpr (FKL) v = v + kl_block<true>(bv[0] + bv[1], nv, ldx, ldy, vinvh);
@@ -255,13 +279,28 @@ template <typename T, typename R, int MODE, bool FLOOR = false>
 inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, float hi, double lo,
                           float floor = -kInf, const ExpCache* cache = nullptr) {
   constexpr bool ENT = MODE & kEntropy, REF = MODE & kRef, KL = MODE & kFullKl, FKL = MODE & kForwardKl;
+  constexpr bool HEAD = MODE & kHead;
   const Vec vfloor(floor), vninf(-kInf);
   const double c = (static_cast<double>(hi) + lo) / kZUnit;
   LaneState<MODE> st(static_cast<float>(c));
   const int64_t nvec = V / kW, rem = V - nvec * kW;
+  // HEAD: the largest logit before the label, for is_top1 (argmax's rule: the first maximum wins). The blocks before
+  // the label's are the running max when its block begins; the label's block adds its entries before the label.
+  float before_label = -kInf;
+  auto note_label_block = [&](int64_t start, int64_t end) {
+    if constexpr (HEAD) {
+      if (start <= label && label < end) {
+        alignas(64) float am[kW];
+        st.mx.store(am);
+        before_label = am[0];
+        for (int64_t i = start; i < label; ++i) before_label = std::max(before_label, static_cast<float>(x[i]));
+      }
+    }
+  };
   int64_t b = 0;
   for (int64_t v0 = 0; v0 < nvec; v0 += kBlockVecs, ++b) {
     const int64_t nv = std::min(kBlockVecs, nvec - v0);
+    note_label_block(v0 * kW, (v0 + nv) * kW);
     const T* px = x + v0 * kW;
     const R* py = REF ? y + v0 * kW : nullptr;
     auto ldx = [px, &vfloor, &vninf](int64_t i) {
@@ -278,21 +317,24 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
       st.block(nv, ldx, ldy, NoKeep{});
     }
   }
+  double tail_sum = 0.0;  // HEAD: the logits of the tail (padded) block, summed here
   if (rem) {
+    note_label_block(nvec * kW, V);
     alignas(64) float bx[kW], by[kW];
     for (int64_t l = 0; l < kW; ++l) {
       bx[l] = l < rem ? static_cast<float>(x[nvec * kW + l]) : -kInf;
       if (FLOOR && bx[l] < floor) bx[l] = -kInf;
       by[l] = (REF && l < rem) ? static_cast<float>(y[nvec * kW + l]) : -kInf;
+      if (HEAD && l < rem) tail_sum += bx[l];
     }
     auto ldx = [&bx](int64_t) { return Vec::loadu(bx); };
     auto ldy = [&by](int64_t) { return Vec::loadu(by); };
     if (cache) {
       float* e = cache->e + nvec * kW;
-      st.block(1, ldx, ldy, [e](int64_t, const Vec& ex) { ex.store(e); });
+      st.template block<true>(1, ldx, ldy, [e](int64_t, const Vec& ex) { ex.store(e); });
       st.mix.store(cache->frames + b * kW);
     } else {
-      st.block(1, ldx, ldy, NoKeep{});
+      st.template block<true>(1, ldx, ldy, NoKeep{});
     }
   }
 
@@ -317,6 +359,27 @@ inline RowOut forward_row(const T* x, const R* y, int64_t V, int64_t label, floa
     const double zl = (xl - cx.mi) * c;
     r.v[kStatLogp] = xl == -kInf ? -kInf : static_cast<float>(std::min(kZUnit * zl - log_s, 0.0));
     if constexpr (ENT) r.v[kStatEntropy] = static_cast<float>(log_s - kZUnit * cx.t / cx.s);
+    if constexpr (HEAD) {
+      // A NaN logit that the max skipped shows in the sum: NaN, as every other statistic.
+      r.v[kStatIsTop1] = std::isnan(log_s) ? kNaN : (xl >= cx.mi && xlf > before_label) ? 1.f : 0.f;
+      alignas(64) float aq[kW];
+      st.qsum.store(aq);
+      double q = 0.0;
+      for (int64_t l = 0; l < kW; ++l) q += aq[l];
+      r.v[kStatLogSumSqProbs] = static_cast<float>(std::log(q) - 2.0 * log_s);
+    }
+  }
+  if constexpr (HEAD) {
+    if (!cx.bad) {  // all -inf: the sum and the max are -inf
+      alignas(64) float az[kW];
+      st.xsum.store(az);
+      double z = 0.0;
+      for (int64_t l = 0; l < kW; ++l) z += az[l];
+      z += tail_sum * kH;  // in units of h: kH is constants.LOGIT_SUM_SCALE
+      r.v[kStatSumLogits] = static_cast<float>(z * (static_cast<double>(hi) + lo));
+      // A NaN logit that the max skipped shows in the sum of exponentials: NaN.
+      r.v[kStatMaxLogit] = cx.dead ? -kInf : std::isnan(cx.s) ? kNaN : static_cast<float>(cx.mi);
+    }
   }
   if constexpr (REF) {
     alignas(64) float amy[kW], amiy[kW], asy[kW];

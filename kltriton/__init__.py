@@ -11,7 +11,7 @@ from kltriton.functional.fused_kl_reward import KLReward, fused_kl_reward
 from kltriton.functional.policy_loss import PolicyLossOutput, policy_loss
 from kltriton.functional.token_divergence import token_divergence
 from kltriton.functional.token_kl import KLOutput, token_kl
-from kltriton.functional.token_logprobs import token_logprobs
+from kltriton.functional.token_logprobs import TokenOutputs, token_logprobs
 from kltriton.heads import lm_head_logits, score_with_lm_head
 from kltriton.invariant import set_invariant
 from kltriton.linear_logits import LinearLogits
@@ -54,5 +54,6 @@ __all__ = [
     "token_divergence",
     "token_kl",
     "token_logprobs",
+    "TokenOutputs",
     "Truncation",
 ]

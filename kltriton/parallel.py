@@ -124,7 +124,8 @@ def chunked_shard(group, start: int, size: int, vocab: int) -> VocabShard:
     return VocabShard(group, start, size, vocab, spans)
 
 
-def exchange_stats(local: StreamStats, has_label: torch.Tensor, request: int, group) -> Tuple[StreamStats, torch.Tensor]:
+def exchange_stats(local: StreamStats, has_label: torch.Tensor, request: int, group,
+                   before_label: Optional[torch.Tensor] = None) -> Tuple[StreamStats, torch.Tensor]:
     """Global statistics from every rank's local ones: one all-gather of one value per present statistic and row.
 
     Args:
@@ -133,14 +134,17 @@ def exchange_stats(local: StreamStats, has_label: torch.Tensor, request: int, gr
         has_label: ``[N]`` bool, whether this rank's shard holds the row's label (its ``logp`` /
             ``ref_logp`` are then the label's local log-probs; elsewhere they are ignored).
         request: the request bits that produced ``local``.
+        before_label: ``[N]`` bool, whether this rank's shard lies before the row's label (read by ``is_top1``'s
+            merge; None: nowhere).
     Returns:
         ``(StreamStats, labelled)``: the merged global ``[N]`` statistics (``statistics.merge``) and
         ``[N]`` bool, whether any rank holds the row's label (no outputs are masked here).
     """
     n = local.lse.shape[0]
     names = [name for name in statistics.NAMES if statistics.present(request, name)]
-    columns = [torch.where(has_label, value, torch.full_like(value, LABEL_ELSEWHERE)) if name in ("logp", "ref_logp")
-               else value for name, value in ((name, getattr(local, name)) for name in names)]
+    before = torch.zeros_like(has_label) if before_label is None else before_label
+    marked = statistics.mark_pieces({name: getattr(local, name) for name in names}, has_label, before)
+    columns = [marked[name] for name in names]
     gathered = all_gather(torch.stack(columns), group)  # [K * m, N], rank-major
     pieces = dict(zip(names, gathered.view(-1, len(columns), n).unbind(1)))  # m tensors [K, N]
     return statistics.merge(pieces, request), (pieces["logp"] != LABEL_ELSEWHERE).any(0)
@@ -163,11 +167,11 @@ def _localize(target, start, size, elsewhere):
     return torch.where(target < 0, target, torch.where(own, local_id, torch.full_like(local_id, elsewhere))), own
 
 
-def _global_stats(local: StreamStats, target, kernel_target, own, request, group):
+def _global_stats(local: StreamStats, target, kernel_target, own, request, group, before_label):
     """``(stats, backward_target)``: the global statistics (one all-gather), 0 at unscored rows and
     NaN at rows scored on a label no shard holds; the kernel target of the backward, where those
-    rows are ``OUT_OF_RANGE`` (no gradient)."""
-    stats, labelled = exchange_stats(local, own, request, group)
+    rows are ``OUT_OF_RANGE`` (no gradient). ``before_label``: ``[N]`` bool, this shard lies before the row's label."""
+    stats, labelled = exchange_stats(local, own, request, group, before_label)
     skip = target == SKIP
     bad = (target == OUT_OF_RANGE) | ((target >= 0) & ~labelled)
     no_nan = torch.zeros_like(bad)
@@ -242,10 +246,11 @@ class _Merged(torch.autograd.Function):
         projected = tensors[1] is not None or (local.kind == "statistics" and tensors[6] is not None)
         kernel_target, own = _localize(target, local.start, local.size, local.size if projected else 0)
         stats, backward_target = _global_stats(forward(local, kernel_target, tensors), target, kernel_target, own,
-                                               local.request, local.group)
+                                               local.request, local.group, target >= local.start + local.size)
         ctx.save_for_backward(backward_target, own, *tensors, *stats)
         ctx.local = local
-        ctx.mark_non_differentiable(stats.lse, stats.ref_logp, stats.ref_lse)
+        ctx.mark_non_differentiable(*(getattr(stats, name) for name in statistics.NAMES
+                                      if name not in statistics.DIFFERENTIABLE))
         ctx.set_materialize_grads(False)
         return tuple(stats)
 

@@ -79,6 +79,8 @@ def statistics(call: Call, request: int) -> StreamStats:
     """``StreamStats`` (``[N]``) of the call's policy (and reference, no gradient) at its targets, differentiable
     w.r.t. the policy's logits or hidden states, weight and bias. With a truncation, of the policy's truncated
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
+    if request & constants.HEAD:
+        check_head(call)
     if invariant.enabled():
         return invariant_statistics(call, request)
     if call.truncation is not None:
@@ -87,6 +89,17 @@ def statistics(call: Call, request: int) -> StreamStats:
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
     return StreamStats(*statistics_ops.statistics(*args[:-1], True, args[-1])[:len(table.NAMES)])
+
+
+def check_head(call: Call):
+    """The head's statistics (``constants.HEAD``: is_top1, the sum and max of the logits, log_sum_sq_probs) come from
+    the stream family (dense logits, LM-head tiles, vocab shards); the truncation and the invariant mode have passes of
+    their own that do not compute them yet."""
+    where = ("a truncation" if call.truncation is not None else
+             "the invariant mode" if invariant.enabled() else None)
+    if where is not None:
+        raise NotImplementedError(f"kltriton: is_top1, mean_logits and log_sum_sq_probs are not available with {where} "
+                                  "yet")
 
 
 def invariant_statistics(call: Call, request: int) -> StreamStats:

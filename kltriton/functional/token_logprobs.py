@@ -1,9 +1,36 @@
-"""``token_logprobs``: log-prob (and entropy) of the labelled token, one pass over the vocab."""
-from typing import Optional
+"""``token_logprobs``: log-prob (and entropy, and a trainer head's metrics) of the labelled token, one pass over the
+vocab."""
+from typing import NamedTuple, Optional, Sequence
+
+import torch
 
 from kltriton import route
 from kltriton.front_door import enter
-from kltriton.kernels import statistics
+from kltriton.kernels import constants, statistics
+
+# The per-token values ``outputs=`` may ask for besides the log-prob (TRL's ``FusedCausalLMOutput`` names).
+OUTPUTS = ("entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+HEAD_OUTPUTS = OUTPUTS[1:]
+
+
+class TokenOutputs(NamedTuple):
+    """``token_logprobs(..., outputs=...)``: per-position values of shape ``S``; those not asked for are None."""
+    logp: torch.Tensor                          # fp32, differentiable
+    entropy: Optional[torch.Tensor] = None      # fp32, differentiable
+    is_top1: Optional[torch.Tensor] = None      # bool, no gradient
+    mean_logits: Optional[torch.Tensor] = None  # fp32, no gradient
+    log_sum_sq_probs: Optional[torch.Tensor] = None  # fp32, no gradient
+
+
+def _parse_outputs(outputs, return_entropy) -> frozenset:
+    wanted = frozenset([outputs] if isinstance(outputs, str) else outputs)
+    unknown = sorted(wanted - set(OUTPUTS))
+    if unknown:
+        raise ValueError(f"token_logprobs: unknown outputs {unknown}; choose among {list(OUTPUTS)} (the log-prob is "
+                         "always computed)")
+    if return_entropy:
+        raise ValueError("token_logprobs: pass 'entropy' in outputs= rather than return_entropy=True with outputs=")
+    return wanted
 
 
 def token_logprobs(
@@ -21,6 +48,7 @@ def token_logprobs(
     vocab_start: Optional[int] = None,
     truncation=None,
     sequence_group=None,
+    outputs: Optional[Sequence[str]] = None,
 ):
     """Log-probability of ``labels`` under ``softmax(logits / temperature)``, without ``[N, V]`` temporaries.
 
@@ -54,16 +82,38 @@ def token_logprobs(
             ``shift_labels`` the last position's label and mask come from the next rank's slice (one all-gather of
             ``2 B`` int64 per rank), and learning the slice's start is one all-gather of 3 int64. A DTensor split on
             the sequence dimension (``Shard(1)`` of ``[B, T, V]``) is the same. See ``docs/api/context_parallel.md``.
+        outputs: optional names among ``"entropy"``, ``"is_top1"``, ``"mean_logits"``, ``"log_sum_sq_probs"`` (a
+            trainer head's metrics, TRL's ``FusedCausalLMOutput`` fields, in the same pass; not with
+            ``return_entropy``): the call then returns a ``TokenOutputs``. ``is_top1``: the label is the argmax of
+            the logits (bool; the first maximum wins a tie, as ``torch.argmax``); ``mean_logits``: the mean of
+            ``logits / T`` over the ``V`` entries (a ``-inf`` entry makes it ``-inf``, as TRL's sum);
+            ``log_sum_sq_probs``: ``log sum_v p_v^2`` of ``softmax(logits / T)``. No gradient; 0 / False where not
+            scored. Dense logits, a ``LinearLogits`` and vocab shards; not with a truncation or the invariant mode
+            yet. See ``docs/api/token_logprobs.md``.
 
     Returns:
-        ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``.
+        ``logp`` fp32 ``S`` (``<= 0``, exactly 0 where not scored), or ``(logp, entropy)``, or with ``outputs`` a
+        ``TokenOutputs`` (the values not asked for None).
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``), or a ``LinearLogits``'
         hidden states, weight and bias.
     """
+    wanted = None if outputs is None else _parse_outputs(outputs, return_entropy)
     call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
                  vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
-    request = statistics.request(entropy=bool(return_entropy))
+    if wanted is None:
+        request = statistics.request(entropy=bool(return_entropy))
+    else:
+        request = statistics.request(entropy="entropy" in wanted, head=bool(wanted & set(HEAD_OUTPUTS)))
     stats = route.statistics(call, request)
-    logp = stats.logp.view(call.layout.shape)
-    return (logp, stats.entropy.view(call.layout.shape)) if return_entropy else logp
+    shape = call.layout.shape
+    logp = stats.logp.view(shape)
+    if wanted is None:
+        return (logp, stats.entropy.view(shape)) if return_entropy else logp
+    values = {name: getattr(stats, name).view(shape) for name in wanted if name != "mean_logits"}
+    if "is_top1" in values:
+        values["is_top1"] = values["is_top1"] == 1  # NaN (no distribution, or a label out of range): False
+    if "mean_logits" in wanted:
+        # The sum (kept times LOGIT_SUM_SCALE, merged over vocab pieces) divided by V before it is scaled back.
+        values["mean_logits"] = stats.sum_logits.view(shape) / call.vocab * (1 / constants.LOGIT_SUM_SCALE)
+    return TokenOutputs(logp, **values)

@@ -20,11 +20,19 @@ FLAG_SLOTS = ("bits", "label", "cu_first", "cu_last")  # the bits, a bad label, 
 # A kernel variant is compiled per request (Triton constexprs, C++ template MODE).
 ENTROPY, REF, FULL_KL = 1, 2, 4
 FORWARD_KL = 8  # KL(q || p) of the reference (a distillation teacher) against the policy (the student)
+# A trainer head's three metrics (TRL's FusedCausalLMOutput: is_top1, the mean logit, log_sum_sq_probs), one bit for
+# them (each is one more term of the same pass); policy rows only: never with the reference bits. The streamed values
+# merge exactly over vocab pieces: the sum of the logits (the mean is sum / V) and the row's max (is_top1's merge).
+HEAD = 16
+# sum_logits is kept times this (the kernels' h units, 2^-33): finfo.min logits never overflow the sum (the mean does
+# not; a sum of a few does), and every vocab piece's sum merges by addition.
+LOGIT_SUM_SCALE = 2.0 ** -33
 NEEDS_REF = REF | FULL_KL | FORWARD_KL  # the request bits that read the reference logits
 # The statistics in the order of every bundle (``StreamStats``; the kernels' stacked ``[NUM_STATS, N]`` outputs,
 # indexed by position here), with the request bit that asks for each.
 STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),
-              ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL))
+              ("full_kl", FULL_KL), ("forward_kl", FORWARD_KL),
+              ("is_top1", HEAD), ("sum_logits", HEAD), ("log_sum_sq_probs", HEAD), ("max_logit", HEAD))
 # The stream backward's gradient, per row, on this basis (each coefficient already divided by T; the kernels take
 # the coefficients as one stacked ``[len(GRADIENT_BASIS), N]`` tensor, indexed by position here):
 #   grad = c_label * onehot(label) - p * (c_p + c_p_logp * log p + c_p_logq * log q) - c_q * q

@@ -26,6 +26,9 @@ from kltriton.kernels import constants
 
 # ``logp`` / ``ref_logp`` of a piece that does not hold the label (a real log-prob is <= 0 or NaN).
 LABEL_ELSEWHERE = float("inf")
+# ``is_top1`` of a piece that does not hold the label and lies before it (a real value is 0.0, 1.0 or NaN): a tie with
+# such a piece's maximum goes to it (argmax's rule), whatever the order the pieces come in.
+PIECE_BEFORE_LABEL = -1.0
 
 
 class Pieces(NamedTuple):
@@ -118,6 +121,31 @@ def _logsumexp(name):
     return lambda pieces: torch.logsumexp(pieces.local[name], 0)
 
 
+def _log_sum_sq_probs(pieces: Pieces) -> torch.Tensor:
+    """``log sum_v p_v^2`` of whole rows: ``logsumexp_k (local_k + 2 shift_k)`` (a piece's ``p = w_k p_k``); a piece
+    without mass (its local value NaN) adds nothing."""
+    terms = pieces.local["log_sum_sq_probs"] + 2 * pieces.shift
+    return torch.logsumexp(torch.where(pieces.w == 0, torch.full_like(terms, float("-inf")), terms), 0)
+
+
+def _is_top1(pieces: Pieces) -> torch.Tensor:
+    """Whether the label is the whole row's first maximum: it is its own piece's (local 1.0), that piece's max
+    (``max_logit``) is above the max of every piece before the label (marked ``PIECE_BEFORE_LABEL``) and at least that
+    of every other piece. NaN where no piece holds the label or the row has no distribution (as the kernels)."""
+    here = pieces.local["logp"] != LABEL_ELSEWHERE
+    local, peak = pieces.local["is_top1"], pieces.local["max_logit"]
+    ninf = torch.full((), float("-inf"), dtype=peak.dtype, device=peak.device)
+    earlier = ~here & (local == PIECE_BEFORE_LABEL)
+    before = torch.where(earlier, peak, ninf).amax(0)
+    after = torch.where(~here & ~earlier, peak, ninf).amax(0)
+    label_peak = torch.where(here & (local == 1), peak, ninf).amax(0)  # -inf: the label is not its piece's first max
+    wins = here.any(0) & (label_peak > before) & (label_peak >= after) & (label_peak > float("-inf"))
+    lse = torch.logsumexp(pieces.local["lse"], 0)
+    value = wins.to(peak.dtype)
+    nan = torch.full((), float("nan"), dtype=peak.dtype, device=peak.device)
+    return torch.where(here.any(0) & (lse > float("-inf")) & (lse < float("inf")), value, nan)
+
+
 SPECS = {
     "logp": Statistic("logp", 0, lambda pc: _label_logp(pc.local["logp"], pc.shift), _logp_gradient),
     "lse": Statistic("lse", 0, _logsumexp("lse")),
@@ -132,6 +160,13 @@ SPECS = {
     "forward_kl": Statistic("forward_kl", constants.FORWARD_KL,
                             lambda pc: _kl_pieces(pc.ref_w, pc.local["forward_kl"], pc.ref_shift, pc.shift),
                             _forward_kl_gradient),
+    # A trainer head's metrics, no gradient: is_top1 (1.0 / 0.0), the sum of the logits / T times
+    # constants.LOGIT_SUM_SCALE (the mean is sum / V / scale), log sum p^2, and the row's largest logit (before T),
+    # which is_top1's merge reads.
+    "is_top1": Statistic("is_top1", constants.HEAD, _is_top1),
+    "sum_logits": Statistic("sum_logits", constants.HEAD, lambda pc: pc.local["sum_logits"].sum(0)),
+    "log_sum_sq_probs": Statistic("log_sum_sq_probs", constants.HEAD, _log_sum_sq_probs),
+    "max_logit": Statistic("max_logit", constants.HEAD, lambda pc: pc.local["max_logit"].amax(0)),
 }
 STATISTICS: Tuple[Statistic, ...] = tuple(SPECS[name] for name, _ in constants.STATISTICS)
 assert all(SPECS[name].request == bit for name, bit in constants.STATISTICS)
@@ -145,12 +180,16 @@ StreamStats.__doc__ = ("Per-row statistics ``[N]`` in ``constants.STATISTICS`` o
 StatsTuple = Tuple[(torch.Tensor,) * len(NAMES)]
 
 
-def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False) -> int:
-    """The request bits of a forward (``full_kl`` and ``forward_kl`` need ``ref``)."""
+def request(*, entropy=False, ref=False, full_kl=False, forward_kl=False, head=False) -> int:
+    """The request bits of a forward (``full_kl`` and ``forward_kl`` need ``ref``; ``head``, the trainer head's
+    ``is_top1`` / ``mean_logits`` / ``log_sum_sq_probs``, is for policy rows only: never with ``ref``)."""
     if (full_kl or forward_kl) and not ref:
         raise ValueError("the full KL needs reference logits")
+    if head and ref:
+        raise ValueError("the head statistics (is_top1, mean_logits, log_sum_sq_probs) are of the policy alone")
     return ((constants.ENTROPY if entropy else 0) | (constants.REF if ref else 0)
-            | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0))
+            | (constants.FULL_KL if full_kl else 0) | (constants.FORWARD_KL if forward_kl else 0)
+            | (constants.HEAD if head else 0))
 
 
 def present(request: int, name: str) -> bool:
@@ -164,9 +203,23 @@ def empty_stats(n: int, request: int, new: Callable) -> StreamStats:
     return StreamStats(*(new(n if present(request, name) else 0) for name in NAMES))
 
 
+def mark_pieces(local: dict, holds_label: torch.Tensor, before_label: torch.Tensor) -> dict:
+    """``local`` (name -> ``[K, N]`` or ``[N]`` values of pieces) with the marks ``merge`` reads: ``LABEL_ELSEWHERE``
+    in ``logp`` / ``ref_logp`` where the piece does not hold the row's label (``holds_label``, bool like the values),
+    ``PIECE_BEFORE_LABEL`` in ``is_top1`` where it lies before it (``before_label``)."""
+    marked = dict(local)
+    for name in ("logp", "ref_logp"):
+        if name in marked:
+            marked[name] = torch.where(holds_label, marked[name], LABEL_ELSEWHERE)
+    if "is_top1" in marked:
+        marked["is_top1"] = torch.where(before_label, PIECE_BEFORE_LABEL, marked["is_top1"])
+    return marked
+
+
 def merge(local: dict, request: int) -> StreamStats:
     """Whole-row ``StreamStats`` from ``local``: name -> ``[K, N]`` statistics of ``K`` contiguous vocab pieces
-    (``logp`` / ``ref_logp``: ``LABEL_ELSEWHERE`` on the pieces that do not hold the label). A row whose label lies in
+    (``logp`` / ``ref_logp``: ``LABEL_ELSEWHERE`` on the pieces that do not hold the label; ``is_top1``:
+    ``PIECE_BEFORE_LABEL`` on those that lie before it, ``mark_pieces``). A row whose label lies in
     no piece gets NaN log-probs; a row whose pieces are all ``-inf`` gets ``lse = -inf`` and NaN statistics,
     as the kernels do for a whole row."""
     lse = torch.logsumexp(local["lse"], 0)

@@ -6,8 +6,9 @@ their order (``constants.STATISTICS``). The state, with ``h = x H - frame H`` (`
 exactly rounded, never overflowing), ``w = h * log2(e) / (T H)`` (the bits of ``(x - frame) * log2(e) / T``) and
 the frame the running max (``_frame``):
 
-    (m, s, t, my, sy, u, v): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
-                             sy = sum 2^wy, u = sum 2^w * (h - hy), v = sum 2^wy * (hy - h)
+    (m, s, t, my, sy, u, v, b, z, q): m / my the running maxima of x / y, s = sum 2^w, t = sum 2^w * w,
+                             sy = sum 2^wy, u = sum 2^w * (h - hy), v = sum 2^wy * (hy - h),
+                             b = the max of x before the label, z = sum x H, q = sum 2^2w (the head's three)
 
 The KL sums ``u`` and ``v`` are in the units of ``h``, not in the base-2 units of ``w``: a ``finfo.min`` logit
 under the other side's mass has a ``w`` beyond fp32, yet the row's KL (the sum over ``s``) may be finite in fp32
@@ -38,6 +39,7 @@ WANT_ENTROPY = tl.constexpr(constants.ENTROPY)
 WANT_REF = tl.constexpr(constants.REF)
 WANT_FULL_KL = tl.constexpr(constants.FULL_KL)
 WANT_FORWARD_KL = tl.constexpr(constants.FORWARD_KL)
+WANT_HEAD = tl.constexpr(constants.HEAD)
 BASIS_P_LOGP = tl.constexpr(constants.P_LOGP)
 BASIS_P_LOGQ = tl.constexpr(constants.P_LOGQ)
 BASIS_Q = tl.constexpr(constants.Q)
@@ -60,7 +62,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 # difference there changes no value and keeps 0 * -inf (a banned token) out of the sums.
 W_FLOOR = tl.constexpr(-150.0)
 H = tl.constexpr(2.0 ** -33)  # the scale of h (see above)
-STATE_SIZE = 7  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
+STATE_SIZE = 10  # elements of a state tuple (the split forward's partial buffer is [N, SPLIT, STATE_SIZE])
 
 # Launch settings (not yet tuned on hardware: see benchmarks/static.py for what they compile to).
 NUM_WARPS = 8
@@ -204,7 +206,7 @@ def empty_state(LANES: tl.constexpr):
     """The state of no values, one per lane: maxima ``-inf``, sums 0."""
     inf = tl.full((LANES,), NEG_INF, tl.float32)
     zero = tl.zeros((LANES,), tl.float32)
-    return inf, zero, zero, inf, zero, zero, zero
+    return inf, zero, zero, inf, zero, zero, zero, inf, zero, zero
 
 
 @triton.jit
@@ -217,11 +219,13 @@ def _scaled(x, frame):
 def _rescale(state, m_new, my_new, log2e_over_t, WANT: tl.constexpr):
     """The sums of ``state`` moved to the frames of the larger maxima ``m_new`` / ``my_new``. A lane whose old
     mass vanishes in the move (``alpha = 0``) keeps no KL term, even an infinite one."""
-    m, s, t, my, sy, u, v = state
+    m, s, t, my, sy, u, v, b, z, q = state
     f_new = _frame(m_new)
     d = _shift(_frame(m), f_new, log2e_over_t, W_FLOOR)
     alpha = tl.exp2(d)
     s_moved = s * alpha
+    if WANT_HEAD & WANT:
+        q = q * (alpha * alpha)  # 2^2w moves by the square of 2^w's factor
     if WANT_ENTROPY & WANT:
         t = alpha * t + s_moved * d
     if WANT_REF & WANT:
@@ -235,18 +239,20 @@ def _rescale(state, m_new, my_new, log2e_over_t, WANT: tl.constexpr):
             u = tl.where(alpha > 0, alpha * u + s_moved * (dh - dyh), 0.0)
         if WANT_FORWARD_KL & WANT:
             v = tl.where(alpha_y > 0, alpha_y * v + sy * (dyh - dh), 0.0)
-    return m_new, s_moved, t, my_new, sy, u, v
+    return m_new, s_moved, t, my_new, sy, u, v, b, z, q
 
 
 @triton.jit
-def fold(x, y, state, log2e_over_t, WANT: tl.constexpr):
+def fold(x, y, state, log2e_over_t, WANT: tl.constexpr, offs=None, hi=None, label=None):
     """Fold tiles ``x`` / ``y`` ``[SUBTILES, LANES, VEC]`` (fp32 logits, ``-inf`` = absent) into the per-lane
-    ``state`` ``[LANES]``: each lane reduces only the values it holds, so no lane waits for another."""
+    ``state`` ``[LANES]``: each lane reduces only the values it holds, so no lane waits for another. The head's
+    terms (``WANT_HEAD``) read the tile's vocab positions ``offs``, the end ``hi`` of the entries present and the
+    row's ``label``."""
     m_new = tl.maximum(state[0], tl.max(tl.max(x, axis=2), axis=0))
     my_new = state[3]
     if WANT_REF & WANT:
         my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
-    m, s, t, my, sy, u, v = _rescale(state, m_new, my_new, log2e_over_t, WANT)
+    m, s, t, my, sy, u, v, b, z, q = _rescale(state, m_new, my_new, log2e_over_t, WANT)
     h = _scaled(x, _frame(m)[None, :, None])
     w = h * (log2e_over_t / H)  # the bits of (x - frame) * log2e_over_t
     if WANT_ENTROPY & WANT:
@@ -265,7 +271,11 @@ def fold(x, y, state, log2e_over_t, WANT: tl.constexpr):
         if WANT_FORWARD_KL & WANT:
             # A token the policy bans (h = -inf) that the reference uses gives KL(q || p) = inf.
             v += tl.sum(tl.sum(tl.where(ey > 0, ey * (hy - h), 0.0), axis=2), axis=0)
-    return m, s, t, my, sy, u, v
+    if WANT_HEAD & WANT:
+        b = tl.maximum(b, tl.max(tl.max(tl.where(offs < label, x, NEG_INF), axis=2), axis=0))
+        z += tl.sum(tl.sum(tl.where(offs < hi, x * H, 0.0), axis=2), axis=0)  # x H: no overflow (finfo.min)
+        q += tl.sum(tl.sum(e * e, axis=2), axis=0)
+    return m, s, t, my, sy, u, v, b, z, q
 
 
 @triton.jit
@@ -275,8 +285,9 @@ def merge(state, log2e_over_t, WANT: tl.constexpr):
     my_all = m_all
     if WANT_REF & WANT:
         my_all = tl.max(state[3], axis=0)
-    m, s, t, my, sy, u, v = _rescale(state, m_all, my_all, log2e_over_t, WANT)
-    return m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0), tl.sum(v, axis=0)
+    m, s, t, my, sy, u, v, b, z, q = _rescale(state, m_all, my_all, log2e_over_t, WANT)
+    return (m, tl.sum(s, axis=0), tl.sum(t, axis=0), my, tl.sum(sy, axis=0), tl.sum(u, axis=0), tl.sum(v, axis=0),
+            tl.max(b, axis=0), tl.sum(z, axis=0), tl.sum(q, axis=0))
 
 
 @triton.jit
@@ -290,10 +301,10 @@ def below_floor_absent(x, floor):
 
 @triton.jit
 def stream_chunk(x_row, y_row, lo, hi, log2e_over_t, WANT: tl.constexpr, SUBTILES: tl.constexpr, LANES: tl.constexpr,
-                 VEC: tl.constexpr, floor=None):
+                 VEC: tl.constexpr, floor=None, label=None):
     """Merged state of vocab entries ``[lo, hi)`` of one row: full tiles without a mask (16-byte loads
     wherever the row is 16-byte aligned), then one masked tail tile. ``floor`` (fp32, or None): the policy's
-    logits below it are read as ``-inf`` (``below_floor_absent``)."""
+    logits below it are read as ``-inf`` (``below_floor_absent``). ``label``: the row's (the head's is_top1)."""
     BLOCK: tl.constexpr = SUBTILES * LANES * VEC
     tile = (tl.arange(0, SUBTILES)[:, None, None] * (LANES * VEC) + tl.arange(0, LANES)[None, :, None] * VEC
             + tl.arange(0, VEC)[None, None, :])
@@ -304,14 +315,14 @@ def stream_chunk(x_row, y_row, lo, hi, log2e_over_t, WANT: tl.constexpr, SUBTILE
         y = x  # stands for the reference tile when there is none (never used then)
         if WANT_REF & WANT:
             y = tl.load(y_row + start + tile).to(tl.float32)
-        state = fold(x, y, state, log2e_over_t, WANT)
+        state = fold(x, y, state, log2e_over_t, WANT, start + tile, hi, label)
     if full_end < hi:
         offs = full_end + tile
         x = below_floor_absent(tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32), floor)
         y = x
         if WANT_REF & WANT:
             y = tl.load(y_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
-        state = fold(x, y, state, log2e_over_t, WANT)
+        state = fold(x, y, state, log2e_over_t, WANT, offs, hi, label)
     return merge(state, log2e_over_t, WANT)
 
 
@@ -329,14 +340,16 @@ def load_states(ptr, real):
     return (tl.load(ptr, mask=real, other=NEG_INF), tl.load(ptr + 1, mask=real, other=0.0),
             tl.load(ptr + 2, mask=real, other=0.0), tl.load(ptr + 3, mask=real, other=NEG_INF),
             tl.load(ptr + 4, mask=real, other=0.0), tl.load(ptr + 5, mask=real, other=0.0),
-            tl.load(ptr + 6, mask=real, other=0.0))
+            tl.load(ptr + 6, mask=real, other=0.0), tl.load(ptr + 7, mask=real, other=NEG_INF),
+            tl.load(ptr + 8, mask=real, other=0.0), tl.load(ptr + 9, mask=real, other=0.0))
 
 
 @triton.jit
 def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
     """A scored row's statistics from its merged state, in ``constants.STATISTICS`` order: ``(logp, lse,
-    entropy, ref_logp, ref_lse, full_kl, forward_kl)``; those ``WANT`` does not ask for are 0."""
-    m, s, t, my, sy, u, v = state
+    entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, sum_logits, log_sum_sq_probs, max_logit)``; those
+    ``WANT`` does not ask for are 0."""
+    m, s, t, my, sy, u, v, b, z, q = state
     f = _frame(m)
     log_s = tl.log(s)
     logp = _clamp_nonpositive((x_label - f) * inv_temperature - log_s)
@@ -357,17 +370,33 @@ def finalize(state, x_label, y_label, inv_temperature, WANT: tl.constexpr):
             full_kl = nonnegative(u / s * (inv_temperature / H) - log_s + log_sy)
         if WANT_FORWARD_KL & WANT:
             forward_kl = nonnegative(v / sy * (inv_temperature / H) - log_sy + log_s)
-    return logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl
+    is_top1 = 0.0
+    sum_logits = 0.0
+    log_sum_sq_probs = 0.0
+    max_logit = 0.0
+    if WANT_HEAD & WANT:
+        # argmax's rule: the label is the first maximum. No distribution (s = 0: all -inf; NaN: a NaN or +inf
+        # logit): NaN, but the sum and the max of all -inf logits are -inf.
+        has_mass = (s > 0) & (s < float("inf"))
+        is_top1 = tl.where(has_mass, tl.where((x_label >= m) & (x_label > b), 1.0, 0.0), float("nan"))
+        total = z.to(tl.float64) * inv_temperature.to(tl.float64)  # in units of h (H: constants.LOGIT_SUM_SCALE)
+        sum_logits = tl.where(s >= 0, total.to(tl.float32), float("nan"))
+        log_sum_sq_probs = tl.log(q) - 2.0 * log_s
+        max_logit = tl.where(s >= 0, m, float("nan"))
+    return (logp, lse, entropy, ref_logp, ref_lse, full_kl, forward_kl, is_top1, sum_logits, log_sum_sq_probs,
+            max_logit)
 
 
 @triton.jit
 def store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                forward_kl_ptr=None):
+                forward_kl_ptr=None, is_top1_ptr=None, sum_logits_ptr=None, log_sum_sq_probs_ptr=None,
+                max_logit_ptr=None):
     """``values`` to the present outputs' ``ptr + row``, both in ``constants.STATISTICS`` order (absent ones are None;
     passed one by one: Triton 3.6 cannot pass a tuple that holds None to a function, and a custom op's outputs may
     not be views of one stacked buffer). A statistic added later takes a trailing ``..._ptr=None`` parameter, so
     kernels that never produce it need no change."""
-    pointers = (logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr, forward_kl_ptr)
+    pointers = (logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr, forward_kl_ptr, is_top1_ptr,
+                sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr)
     for i in tl.static_range(NUM_STATISTICS):
         if pointers[i] is not None:
             tl.store(pointers[i] + row, values[i])
@@ -378,7 +407,7 @@ def skipped_stats(target):
     """The statistics of a row that is not scored (never read): ``SKIP`` -> 0, ``OUT_OF_RANGE`` -> NaN;
     the log-sum-exps 0."""
     skipped = tl.where(target == SKIP, 0.0, float("nan"))
-    return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped
+    return skipped, 0.0, skipped, skipped, 0.0, skipped, skipped, skipped, skipped, skipped, skipped
 
 
 # --- per-token KL estimators and packed sequences ---------------------------------------------------------------

@@ -59,7 +59,8 @@ class Shard:
 
 
 # The Triton interpreter runs one program after another: a few cases, one dtype.
-TRITON_CASES = ("logprobs_padded_shifted", "kl_full_logits", "fused_kl_reward_packed_full", "divergence_jsd_logits")
+TRITON_CASES = ("logprobs_padded_shifted", "head_outputs", "kl_full_logits", "fused_kl_reward_packed_full",
+                "divergence_jsd_logits")
 
 
 def _run_both(shard, make_full, call, full_logits):
@@ -284,8 +285,35 @@ def _linear_case(op):
     return case
 
 
+def case_head_outputs(shard, backend, dtype):
+    """``outputs=`` (is_top1, mean_logits, log_sum_sq_probs) of vocab shards equal the unsharded call's: is_top1
+    exactly, with maxima tied across the shards (the earlier id wins) and across the whole row."""
+    gen = torch.Generator().manual_seed(9)
+    vocab, cut = shard.vocab, SHARDS[dist.get_world_size()][0]
+    full_logits = _logits((4, 6, vocab), dtype, gen)
+    labels = torch.randint(0, vocab, (4, 6), generator=gen)
+    labels[0, 0] = -100
+    for col, (a, b, label) in enumerate(((cut - 1, cut + 1, cut + 1), (cut - 1, cut + 1, cut - 1),
+                                         (0, vocab - 1, vocab - 1), (0, vocab - 1, 0))):
+        full_logits[1, col, [a, b]] = 50.0
+        labels[1, col] = label
+
+    def call(logits, _ref, sharding):
+        return kltriton.token_logprobs(logits, labels, temperature=0.8, backend=backend, **sharding,
+                                       outputs=("entropy", "is_top1", "mean_logits", "log_sum_sq_probs"))
+
+    expected, actual, full, part = _run_both(shard, lambda: None, call, full_logits)
+    assert torch.equal(actual.is_top1, expected.is_top1)
+    assert actual.is_top1[1, :4].tolist() == [False, True, False, True]
+    assert not actual.is_top1[0, 0] and actual.mean_logits[0, 0] == 0 and actual.log_sum_sq_probs[0, 0] == 0
+    for name in ("logp", "entropy", "mean_logits", "log_sum_sq_probs"):
+        shard.check(getattr(actual, name), getattr(expected, name), full_logits, 0.8, name)
+    shard.check_grad(part, full, full_logits, 0.8, "grad", mixed=True)
+
+
 CASES = {
     "logprobs_padded_shifted": case_logprobs_padded_shifted,
+    "head_outputs": case_head_outputs,
     "logprobs_packed": case_logprobs_packed,
     **{f"kl_{e}_{form}": _kl_case(e, form) for e in ("k1", "abs", "k2", "k3", "full")
        for form in ("logits",)},

@@ -25,7 +25,7 @@ def test_static_report_has_no_problems(tmp_path):
     assert {r["variant"] for r in forward} == {
         "fwd", "fwd+entropy", "fwd+reflogp", "fwd+entropy+reflogp", "fwd+reflogp+fullkl", "fwd+entropy+reflogp+fullkl",
         "fwd+reflogp+forwardkl", "fwd+entropy+reflogp+forwardkl", "fwd+reflogp+fullkl+forwardkl",
-        "fwd+entropy+reflogp+fullkl+forwardkl"}
+        "fwd+entropy+reflogp+fullkl+forwardkl", "fwd+head", "fwd+entropy+head"}
     assert all(r["loop_barriers"] == 0 and r["loop_shuffles"] == 0 for r in forward)
     loss = [r for r in rows if r["kernel"] == "_loss_forward_kernel"]
     assert {r["variant"] for r in loss} == {"ppo", "ppo+ref+k3+ent", "ppo+ref+full+ent", "cispo+rlogp+k3+",

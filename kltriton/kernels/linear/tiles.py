@@ -14,7 +14,7 @@ from kltriton.kernels.divergence.composed import statistics_request as divergenc
 from kltriton.kernels.linear import scaled_and_capped
 from kltriton.kernels.loss import LossInputs, statistics_request as loss_request
 from kltriton.kernels.row_views import as_rows3d
-from kltriton.kernels.statistics import LABEL_ELSEWHERE, StreamStats
+from kltriton.kernels.statistics import StreamStats
 
 # Elements of one logits tile: 32 MiB of fp32 on CPU (a tile and its gradient stay well under eager's
 # [N, V]), 128 MiB on CUDA (large enough GEMMs for the tensor cores).
@@ -228,9 +228,9 @@ def bind(stream):
 
     def _vocab_tiled_forward(pol, rfs, tgt, temp, request, vocab, vocab_tile, buffer, ref_buffer, ids):
         """Each vocab tile as its own row piece through the stream kernel, merged by ``statistics.merge``, and the
-        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives ``LABEL_ELSEWHERE``
-        log-probs."""
-        parts, held = [], []
+        tiles' logits at ``ids`` (None: none). A label outside every tile (``tgt >= vocab``) gives
+        ``statistics.LABEL_ELSEWHERE`` log-probs."""
+        parts, held, before = [], [], []
         columns = None if ids is None else torch.zeros(ids.shape, dtype=buffer.dtype, device=buffer.device)
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
@@ -239,15 +239,13 @@ def bind(stream):
             tile = pol.logits(v0, v1, buffer)
             parts.append(stream.forward(tile, ref_tile, local, temp, request))
             held.append(inside)
+            before.append(tgt >= v1)
             if ids is not None:
                 here, cols = _tile_columns(ids, v0, v1)
                 columns = torch.where(here, tile.gather(1, cols), columns)
-        inside = torch.stack(held)
         pieces = {name: torch.stack([getattr(p, name) for p in parts]) for name in statistics.NAMES
                   if statistics.present(request, name)}
-        for name in ("logp", "ref_logp"):
-            if name in pieces:
-                pieces[name] = torch.where(inside, pieces[name], LABEL_ELSEWHERE)
+        pieces = statistics.mark_pieces(pieces, torch.stack(held), torch.stack(before))
         if len(parts) == 1:
             return StreamStats(*(pieces[name][0] if name in pieces else getattr(parts[0], name)
                                  for name in statistics.NAMES)), columns

@@ -275,7 +275,7 @@ def _loss_forward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # [N] fp32 statistics, None if absent
-    forward_kl_ptr,             # None: the loss never asks for it
+    forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr,  # None: never asked for
     grad_ptr,                   # [N, V] contiguous output, logits dtype
     old_logp_ptr,               # [N] fp32, or None: on-policy
     adv_ptr, w_pg_ptr, w_kl_ptr, w_ent_ptr,  # [N] fp32 per-row inputs (kltriton.kernels.loss.LossInputs)

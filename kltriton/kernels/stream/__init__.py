@@ -15,13 +15,19 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     temperature: float64 tensor, 0-dim or ``[N]`` (one per row), ``> 0`` and finite (checked by
                  the caller); data, so a new value never recompiles. Every statistic of row ``n``
                  is of ``softmax(logits[n] / T[n])``.
-    request:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``, ``FORWARD_KL``).
+    request:      request bits (``kltriton.kernels.constants``: ``ENTROPY``, ``REF``, ``FULL_KL``, ``FORWARD_KL``,
+                 ``HEAD``; ``HEAD`` never with the reference bits).
     Returns ``StreamStats`` of ``[N]`` tensors in ``accumulation_dtype(logits.dtype)``, the statistics
     ``request`` does not ask for empty. ``logp`` and ``ref_logp`` are clamped to ``<= 0``. A row whose logits
     are all ``-inf`` has ``lse = -inf`` and NaN statistics (as torch); a NaN or ``+inf`` logit gives NaN
     statistics (never a silent 0). Logits masked with ``finfo.min`` or ``-1e30`` are normal input: every
     statistic is finite and exact wherever the float64 answer rounded to fp32 is (``x / T`` must be an
     fp32 number for the row's max).
+    ``HEAD`` (no gradient): ``is_top1`` 1.0 where the label is the row's first maximum (``torch.argmax``'s rule, on
+    the logits themselves: exact), else 0.0; ``sum_logits`` ``sum_v x_v / T`` times ``constants.LOGIT_SUM_SCALE``
+    (``-inf`` for a ``-inf`` entry; finite for ``finfo.min`` ones); ``log_sum_sq_probs`` ``log sum_v p_v^2``;
+    ``max_logit`` ``max_v x_v`` (before ``T``; exact). A row of all ``-inf`` logits has ``sum_logits = max_logit =
+    -inf`` and NaN for the other two; a NaN or ``+inf`` logit gives NaN for the four.
 
 ``backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> grad``
     The gradient w.r.t. ``logits`` on the basis of ``constants.GRADIENT_BASIS``:

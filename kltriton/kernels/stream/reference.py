@@ -53,12 +53,30 @@ def _p_times(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * values)
 
 
+def _head_statistics(out, rows, x, label, temp, logp_all, row_lse):
+    """A trainer head's metrics of rows ``rows`` (``x``: their ``[R, V]`` logits, ``label`` ``[R, 1]``) into ``out``:
+    ``is_top1`` (torch.argmax's rule on the logits, exact), ``sum_logits`` (``sum(x) / T * LOGIT_SUM_SCALE``, summed
+    in float64), ``log_sum_sq_probs`` and ``max_logit``. A row without a distribution
+    (all ``-inf``: ``sum_logits`` and ``max_logit`` are ``-inf``; a NaN or ``+inf`` logit: NaN) has NaN for the
+    others."""
+    no_distribution = ~torch.isfinite(row_lse)
+    bad = no_distribution & (row_lse != float("-inf"))
+    nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
+    top1 = (x.argmax(-1, keepdim=True) == label).squeeze(1).to(x.dtype)
+    out.is_top1[rows] = torch.where(no_distribution, nan, top1)
+    total = (x.double().sum(-1) / temp.double().squeeze(1) * constants.LOGIT_SUM_SCALE).to(x.dtype)
+    out.sum_logits[rows] = torch.where(bad, nan, total)
+    out.log_sum_sq_probs[rows] = torch.logsumexp(2 * logp_all, -1).masked_fill(no_distribution, float("nan"))
+    out.max_logit[rows] = torch.where(bad, nan, x.amax(-1))
+
+
 def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     n, vocab = num_rows(logits), logits.shape[-1]
     device, acc = logits.device, accumulation_dtype(logits.dtype)
     out = empty_stats(n, request, lambda size: torch.zeros(size, dtype=acc, device=device))
     with_entropy, with_full_kl = bool(request & constants.ENTROPY), bool(request & constants.FULL_KL)
     with_forward_kl = bool(request & constants.FORWARD_KL)
+    with_head = bool(request & constants.HEAD)
     rows3d = as_rows3d(logits)
     ref3d = as_rows3d(ref_logits) if ref_logits is not None else None
     for start, stop in _chunks(n, vocab):
@@ -73,8 +91,11 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
         rows = start + keep
         label = tgt[keep][:, None]
         temp = _row_temperature(temperature, rows, acc)
-        logp_all, row_lse = _log_softmax_rows(_take_rows(rows3d, rows, acc), temp)
+        x = _take_rows(rows3d, rows, acc)
+        logp_all, row_lse = _log_softmax_rows(x, temp)
         dead = row_lse == float("-inf")  # an all -inf row has no distribution: NaN like torch
+        if with_head:
+            _head_statistics(out, rows, x, label, temp, logp_all, row_lse)
         out.logp[rows] = logp_all.gather(1, label).squeeze(1).clamp(max=0)
         out.lse[rows] = row_lse
         p = logp_all.exp()
@@ -98,7 +119,8 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
                 kl = nonnegative(_p_times(logq64.exp(), logq64 - logp64).sum(-1))
                 out.forward_kl[rows] = kl.to(acc).masked_fill(dead, float("nan"))
     bad = target == OUT_OF_RANGE
-    for name in ("logp", "entropy", "ref_logp", "full_kl", "forward_kl"):
+    for name in ("logp", "entropy", "ref_logp", "full_kl", "forward_kl", "is_top1", "sum_logits", "log_sum_sq_probs",
+                 "max_logit"):
         value = getattr(out, name)
         if value.numel():
             value.masked_fill_(bad, float("nan"))

@@ -36,9 +36,10 @@ def _forward_launch(vocab: int, elem_bytes: int, request: int) -> rows.Launch:
 
 def requests():
     """Every request a forward variant serves: any set of the request bits, those that read the reference only with
-    the reference's own (``constants.NEEDS_REF``)."""
+    the reference's own (``constants.NEEDS_REF``), the head's (``constants.HEAD``) only without them."""
     bits = constants.request_bits()
-    return [r for r in range(bits + 1) if r & ~bits == 0 and (r & constants.REF or not r & constants.NEEDS_REF)]
+    return [r for r in range(bits + 1) if r & ~bits == 0 and (r & constants.REF or not r & constants.NEEDS_REF)
+            and not (r & constants.HEAD and r & constants.NEEDS_REF)]
 
 
 def _variant_name(prefix, flags):
@@ -50,8 +51,11 @@ def launches(vocab: int, elem_bytes: int):
     launches for this vocab and logits element size (for ``benchmarks/static.py``)."""
     out = []
     for request in requests():
-        name = _variant_name("fwd", [(s.replace("_", ""), bit and request & bit)
-                                     for s, bit in constants.STATISTICS if s != "ref_lse"])
+        bit_names = {}  # one name per bit: its first statistic's ("reflogp" for ref_logp and ref_lse)
+        for s, bit in constants.STATISTICS:
+            bit_names.setdefault(bit, s.replace("_", ""))
+        bit_names[constants.HEAD] = "head"  # is_top1, sum_logits, log_sum_sq_probs, max_logit
+        name = _variant_name("fwd", [(bit_name, bit and request & bit) for bit, bit_name in bit_names.items()])
         absent = [f"{s}_ptr" for s in statistics.NAMES if not statistics.present(request, s)]
         absent += [] if request & constants.REF else ["ref_ptr"]
         launch = _forward_launch(vocab, elem_bytes, request)
@@ -87,7 +91,7 @@ def _stream_forward_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,                 # [N] int64: label, SKIP or OUT_OF_RANGE
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # [N] fp32 statistics, None if absent
-    forward_kl_ptr,
+    forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states (SPLIT > 1), or None
     vocab,
     temperature_ptr, temperature_stride,  # float64 [] (stride 0) or [N] (stride 1): data, no recompile
@@ -103,18 +107,21 @@ def _stream_forward_kernel(
     if target >= 0:  # a skipped row is never read
         if SPLIT == 1:
             x_label, y_label = rows.label_logits(x_row, y_row, target, ref_ptr is not None)  # issued before the loop
-            state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC)
+            state = rows.stream_chunk(x_row, y_row, 0, vocab, log2e_over_t, WANT, SUBTILES, LANES, VEC, None, target)
             values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
             rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                           forward_kl_ptr)
+                           forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
         else:
             part = tl.program_id(1)
             lo = part * CHUNK
-            state = rows.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), log2e_over_t, WANT, SUBTILES, LANES, VEC)
+            state = rows.stream_chunk(x_row, y_row, lo, tl.minimum(lo + CHUNK, vocab), log2e_over_t, WANT, SUBTILES, LANES,
+                                      VEC, None, target)
             rows.store_state(partial_ptr + (row.to(tl.int64) * SPLIT + part) * rows.STATE_SIZE, state)
     elif tl.program_id(1) == 0:  # whatever SPLIT: the combine kernel merges the scored rows only
         rows.store_stats(row, rows.skipped_stats(target), logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr,
-                       full_kl_ptr, forward_kl_ptr)
+                       full_kl_ptr, forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
 
 
 @triton.jit
@@ -123,7 +130,7 @@ def _stream_combine_kernel(
     ref_ptr, ref_rows_per_outer, ref_outer_stride, ref_inner_stride,              # same, or None
     target_ptr,
     logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,  # as the forward
-    forward_kl_ptr,
+    forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr, max_logit_ptr,
     partial_ptr,                # [N, SPLIT, STATE_SIZE] fp32 per-chunk states
     temperature_ptr, temperature_stride,
     WANT: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
@@ -140,7 +147,8 @@ def _stream_combine_kernel(
         state = rows.merge(rows.load_states(parts, part < SPLIT), log2e_over_t, WANT)  # padding parts: empty states
         values = rows.finalize(state, x_label, y_label, inv_temperature, WANT)
         rows.store_stats(row, values, logp_ptr, lse_ptr, entropy_ptr, ref_logp_ptr, ref_lse_ptr, full_kl_ptr,
-                       forward_kl_ptr)
+                       forward_kl_ptr, is_top1_ptr, sum_logits_ptr, log_sum_sq_probs_ptr,
+                           max_logit_ptr)
 
 
 @triton.jit
