@@ -19,11 +19,13 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   ``trl.trainer.utils``: it is replaced in every loaded TRL module that holds it (``Patch.swap``), so a module
   imported later gets the replacement from ``trl.trainer.utils``. TRL's head is still added, then wrapped by one
   whose ``fused_lm_head=True`` call projects only the scored positions and scores them with
-  ``kltriton.token_logprobs`` (log-probs and entropy in one pass). So call ``apply()`` before building the
-  trainer. After ``undo()`` the wrapped models use TRL's head again. A head asked for what kltriton's head does
-  not compute yet (``is_top1``: SFT's token accuracy; ``mean_logits``: DPO's and KTO's logged logits;
-  ``log_sum_sq_probs``: DPO's WPO weight), a model with MoE router losses or with a PEFT adapter on the head keeps
-  TRL's head, with a log line naming the reason.
+  ``kltriton.token_logprobs(..., outputs=...)``: the log-probs and every statistic the trainer asked its head for
+  (``entropy``; ``is_top1``, SFT's and DPO's token accuracy; ``mean_logits``, DPO's and KTO's logged logits;
+  ``log_sum_sq_probs``, DPO's WPO weight) in one pass. So call ``apply()`` before building the trainer. After
+  ``undo()`` the wrapped models use TRL's head again. A model with MoE router losses or with a PEFT adapter on the
+  head keeps TRL's head, with a log line naming the reason.
+- ``SFTTrainer.compute_loss``: unchanged, but one log line where SFT's loss comes from the model's own logits (TRL's
+  code, with ``label_smoothing_factor`` or a ``compute_loss_func``; the head then gives only the metrics).
 - ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
   which the experimental trainers that still build the ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO,
   SDPO, SDFT, A2PO): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
@@ -111,6 +113,7 @@ def _install(patch: Patch) -> None:
     patch.swap("trl", trl_add_fused_lm_head, add_fused_lm_head)  # every trainer module's copy, and utils'
     patch.set(grpo_trainer.GRPOTrainer, "_compute_loss", _compute_loss)
     _install_logit_helpers(patch)
+    _install_sft_loss_note(patch)
     _install_distillation(patch)
     if _switches["truncation"]:
         _install_truncation(patch, grpo_trainer)
@@ -207,6 +210,25 @@ def _log_once(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- head
+def _install_sft_loss_note(patch: Patch) -> None:
+    """``SFTTrainer.compute_loss``, unchanged but for one log line where its loss comes from the model's own logits
+    (TRL's code): with ``label_smoothing_factor`` (nll) or a ``compute_loss_func``, kltriton's head only gives the
+    entropy and token accuracy."""
+    from trl.trainer import sft_trainer
+
+    trl_compute_loss = patch.resolve(patch.resolve(sft_trainer, "SFTTrainer"), "compute_loss")
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        smoothing = self.label_smoother is not None and self.args.loss_type == "nll"
+        if self.compute_loss_func is not None or smoothing:
+            why = "compute_loss_func" if self.compute_loss_func is not None else "label_smoothing_factor"
+            _log_once(f"SFTTrainer loss: TRL's code on the model's own logits (its {why}); kltriton's head gives "
+                      "the entropy and token accuracy")
+        return trl_compute_loss(self, model, inputs, *args, **kwargs)
+
+    patch.set(sft_trainer.SFTTrainer, "compute_loss", compute_loss)
+
+
 _LOGIT_HELPERS = ("selective_log_softmax", "selective_log_softmax_and_entropy", "entropy_from_logits")
 
 
@@ -231,8 +253,9 @@ def _head_scaling(model):
     return head_scaling(model.config)
 
 
-# The fields of TRL's FusedCausalLMOutput that kltriton's head fills (log_probs also gives loss and label_mask).
-_HEAD_OUTPUTS = ("log_probs", "entropy")
+# The per-token fields of TRL's FusedCausalLMOutput that kltriton's head fills (with loss and label_mask); every
+# one TRL 1.16's head can be asked for.
+_HEAD_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, outputs):
@@ -246,12 +269,12 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
     missing = [name for name in outputs if name not in _HEAD_OUTPUTS]
     if isinstance(scaling, str) or missing:
         why = scaling if isinstance(scaling, str) else (f"it is asked for {', '.join(missing)}, which kltriton's "
-                                                        "head does not compute yet")
+                                                        "head does not compute")
         _log_once(f"{type(model).__name__} keeps TRL's fused LM head, because {why}")
         return
     logit_scale, softcap = scaling
     trl_forward = model.forward
-    with_entropy = "entropy" in outputs
+    statistics = tuple(name for name in outputs if name != "log_probs")  # token_logprobs' outputs= names
 
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):
@@ -270,29 +293,29 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
             return heads.score_with_lm_head(self, hidden, fused_lm_head)
         mask = labels != -100
         return heads.score_with_lm_head(self, hidden[mask], functools.partial(
-            _score, mask=mask, labels=labels[mask], temperature=temperature, with_entropy=with_entropy,
+            _score, mask=mask, labels=labels[mask], temperature=temperature, statistics=statistics,
             num_items_in_batch=num_items_in_batch))
 
     model.forward = types.MethodType(forward, model)
     model._kltriton_head_scaling = (logit_scale, softcap)
-    _log_once(f"{type(model).__name__} scores its {' and '.join(outputs)} with kltriton's LM head "
+    names = ", ".join(outputs[:-1]) + " and " + outputs[-1] if len(outputs) > 1 else outputs[0]
+    _log_once(f"{type(model).__name__} scores its {names} with kltriton's LM head "
               f"(logit_scale={logit_scale}, softcap={softcap})")
 
 
-def _score(logits, *, mask, labels, temperature, with_entropy, num_items_in_batch):
-    """TRL's ``FusedCausalLMOutput`` from the ``LinearLogits`` of the scored positions (``mask``) and their labels."""
+def _score(logits, *, mask, labels, temperature, statistics, num_items_in_batch):
+    """TRL's ``FusedCausalLMOutput`` from the ``LinearLogits`` of the scored positions (``mask``) and their labels:
+    the log-probs and the ``statistics`` the head was asked for, in one pass; each zero (False) where not scored."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    out = kltriton.token_logprobs(logits, labels, temperature=temperature, return_entropy=with_entropy,
+    out = kltriton.token_logprobs(logits, labels, temperature=temperature, outputs=statistics,
                                   truncation=_truncation.get())
-    logp, entropy = out if with_entropy else (out, None)
     # masked_scatter keeps the outputs connected to the model even when no position is scored
-    log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
-    if entropy is not None:
-        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    fields = {name: getattr(out, name).new_zeros(mask.shape).masked_scatter(mask, getattr(out, name))
+              for name in statistics}
+    log_probs = out.logp.new_zeros(mask.shape).masked_scatter(mask, out.logp)
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                               label_mask=mask)
+    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, label_mask=mask, **fields)
 
 
 # ---------------------------------------------------------------------------------------------- loss

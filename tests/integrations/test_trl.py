@@ -14,7 +14,7 @@ pytest.importorskip("trl")
 import kltriton  # noqa: E402
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
-from trl_support import TOLERANCES, assert_same_logs, tiny_llama, tiny_mixtral, train, train_rloo  # noqa: E402
+from trl_support import TOLERANCES, assert_same_logs, tie_head_rows, tiny_llama, tiny_mixtral, train, train_rloo  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -23,6 +23,15 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny Llama with its LM head's rows tied in pairs (``tie_head_rows``)."""
+    path = tmp_path_factory.mktemp("tiny-llama-tied")
+    tiny_llama(path)
+    tie_head_rows(path)
     return path
 
 
@@ -135,36 +144,56 @@ def test_the_head_builds_no_logits_of_the_batch(kltriton_head, model_dir, monkey
         assert watch.largest >= n * vocab // 2, (watch.largest, n * vocab)
 
 
-@pytest.mark.parametrize("module, outputs, missing", [
-    ("sft_trainer", ("log_probs", "entropy", "is_top1"), "is_top1"),
-    ("dpo_trainer", ("log_probs", "entropy", "mean_logits", "is_top1"), "mean_logits, is_top1"),
-    ("kto_trainer", ("log_probs", "entropy", "mean_logits"), "mean_logits"),
+@pytest.mark.parametrize("trainer, outputs", [
+    ("sft_trainer", ("log_probs", "entropy", "is_top1")),
+    ("dpo_trainer", ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")),
+    ("kto_trainer", ("log_probs", "entropy", "mean_logits")),
 ])
-def test_a_head_asked_for_other_statistics_keeps_trls_head_with_a_log_line(module, outputs, missing, model_dir,
-                                                                           monkeypatch, caplog):
-    """Every trainer module's ``add_fused_lm_head`` is kltriton's after ``apply()``; a head asked for a statistic
-    kltriton's head does not compute yet stays TRL's (its numbers unchanged), with a line naming the statistic."""
+def test_every_head_output_equals_trls(trainer, outputs, tied_model_dir, monkeypatch):
+    """The head of SFT, DPO (with WPO's weight) and KTO, asked for what each trainer asks for: kltriton's head fills
+    every field as TRL's does (zeros where the label is -100), is_top1 exactly, on a model whose head rows tie in pairs
+    so that argmax's first-index rule decides it; then undo() and the same model scores with TRL's head again."""
     import importlib
 
     from transformers import AutoModelForCausalLM
 
-    trainer_module = importlib.import_module(f"trl.trainer.{module}")
-    original = trainer_module.add_fused_lm_head
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
-    labels = torch.where(torch.arange(5) < 2, -100, ids)
+    trainer_module = importlib.import_module(f"trl.trainer.{trainer}")
+    model = AutoModelForCausalLM.from_pretrained(tied_model_dir)
+    ids = torch.randint(3, model.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(12) < 3, -100, ids)
+    with torch.no_grad():  # labels at each position's tied maximum: half the earlier token of the pair, half the later
+        logits = model(input_ids=ids).logits[:, :-1]
+    top = logits.argmax(-1)
+    labels[:3, 1:] = torch.where(labels[:3, 1:] == -100, -100, top[:3])
+    labels[3:, 1:] = torch.where(labels[3:, 1:] == -100, -100, top[3:] + 1)
+    assert bool((logits.gather(-1, (top + 1)[..., None]).squeeze(-1) == logits.max(-1).values)[3:].all())
     trl_head = _TrlHeadCounter(monkeypatch)
-    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
-        assert trainer_module.add_fused_lm_head is not original
+    with kl_trl.apply():
         trainer_module.add_fused_lm_head(model, outputs=outputs)
-        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-    assert trainer_module.add_fused_lm_head is original
+        ours = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert trl_head.calls == 0
+    theirs = model(input_ids=ids, labels=labels, fused_lm_head=True)
     assert trl_head.calls == 1
+    assert torch.equal(ours.label_mask, theirs.label_mask)
+    for name in ("is_top1",) if "is_top1" in outputs else ():
+        assert torch.equal(ours.is_top1, theirs.is_top1)
+        assert bool(ours.is_top1[:3, 3:].all()) and not bool(ours.is_top1[3:].any())  # the tie rule decided
+    for name in ("loss", *(name for name in outputs if name != "is_top1")):
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-5, atol=1e-6)
+    for name in {"entropy", "mean_logits", "is_top1", "log_sum_sq_probs"} - set(outputs):
+        assert getattr(ours, name) is None and getattr(theirs, name) is None
+
+
+def test_a_head_asked_for_an_unknown_output_keeps_trls_head_with_a_log_line(model_dir, caplog):
+    from transformers import AutoModelForCausalLM
+    from trl.trainer import utils as trl_utils
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "a_future_statistic"))
     assert [r.getMessage() for r in caplog.records] == [
-        f"kltriton: LlamaForCausalLM keeps TRL's fused LM head, because it is asked for {missing}, which kltriton's "
-        "head does not compute yet"]
-    for name in outputs:
-        assert getattr(out, name) is not None
+        "kltriton: LlamaForCausalLM keeps TRL's fused LM head, because it is asked for a_future_statistic, which "
+        "kltriton's head does not compute"]
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -82,11 +82,8 @@ def test_trainer_equals_one_process_float64(trainer, layout, runs, references):
         assert wrapping["fsdp_units"] == ["<root>"], wrapping
     elif layout.startswith("fsdp2"):
         assert "lm_head" in wrapping["fsdp_units"] and "model.layers.0" in wrapping["fsdp_units"], wrapping
-    # kltriton scored, and said so; no fallback. GKDTrainer is an SFTTrainer: the head SFT adds (asked for is_top1,
-    # its token accuracy) stays TRL's and says so; GKD's loss, kltriton's, does not use it.
-    unused = "asked for is_top1" if trainer == "gkd" else None
-    assert not [line for line in run["lines"] if ("TRL's own" in line or "keeps TRL's" in line)
-                and not (unused and unused in line)], run["lines"]
+    # kltriton scored, and said so; no fallback
+    assert not [line for line in run["lines"] if "TRL's own" in line or "keeps TRL's" in line], run["lines"]
     scored = {"grpo": "GRPOTrainer loss: kltriton.policy_loss", "gkd": "GKDTrainer loss: kltriton.token_divergence",
               "distillation": "DistillationTrainer loss: kltriton.token_divergence",
               "rloo": "scores its log_probs and entropy with kltriton's LM head"}[trainer]
