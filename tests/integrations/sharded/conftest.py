@@ -45,6 +45,10 @@ GRPO = dict(job="grpo", batch=8, steps=2)
 # TRL takes the entropy mask's quantile over every rank's tokens: kltriton's integration keeps TRL's loss then.
 GRPO_ENTROPY_MASK = dict(GRPO, name="grpo_entropy_mask", top_entropy_quantile=0.5)
 RLOO = dict(job="rloo", batch=8, steps=2)
+SFT, DPO = (dict(job="offline", name=trainer, trainer=trainer, batch=8, steps=2) for trainer in ("sft", "dpo"))
+# KTO's KL term pairs each prompt with another completion of the same device's batch: two ranks' batches of 4 pair
+# them otherwise than one batch of 8. Its unpaired APO loss has no KL term, so one process and two agree.
+KTO = dict(job="offline", name="kto", trainer="kto", batch=8, steps=2, config={"loss_type": "apo_zero_unpaired"})
 GKD = dict(job="gkd", batch=8, steps=2)
 DISTILLATION = dict(job="distillation", batch=8, steps=2)
 VERL = dict(job="verl", sequences=8, temperature=0.9)
@@ -57,7 +61,7 @@ def references(models, tmp_path_factory):
     """``{job: result}`` of the single-process float64 runs, for the libraries installed."""
     jobs = []
     if installed("trl", "deepspeed"):
-        jobs += [GRPO, GRPO_ENTROPY_MASK, RLOO, GKD, DISTILLATION]
+        jobs += [GRPO, GRPO_ENTROPY_MASK, RLOO, SFT, DPO, KTO, GKD, DISTILLATION]
     if installed("verl", "tensordict"):
         jobs.append(VERL)
     if installed("openrlhf", "deepspeed"):

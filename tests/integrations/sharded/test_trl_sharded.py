@@ -1,5 +1,6 @@
 """TRL 1.16 with ``kltriton.integrations.trl.apply()`` on 2 CPU processes (gloo), every layout a user trains with:
-``GRPOTrainer``, ``RLOOTrainer`` (its head), ``GKDTrainer`` and ``DistillationTrainer``, two optimizer steps (SGD) each. The logged loss and
+``GRPOTrainer``, the heads of ``RLOOTrainer``, ``SFTTrainer``, ``DPOTrainer`` and ``KTOTrainer``, ``GKDTrainer`` and
+``DistillationTrainer``, two optimizer steps (SGD) each. The logged loss and
 metrics of both steps and the first step's parameter gradients (gathered whole from every wrapper) equal a
 single-process float64 run of the same model, data and seed with TRL's own code; the log says kltriton scored,
 with no fallback line.
@@ -17,7 +18,7 @@ pytest.importorskip("deepspeed")
 
 import compare  # noqa: E402
 import launch  # noqa: E402
-from conftest import DISTILLATION, GKD, GRPO, GRPO_ENTROPY_MASK, RLOO  # noqa: E402
+from conftest import DISTILLATION, DPO, GKD, GRPO, GRPO_ENTROPY_MASK, KTO, RLOO, SFT  # noqa: E402
 
 LAYOUTS = {
     "ddp": "DDP, find_unused_parameters=False",
@@ -42,7 +43,10 @@ TENSOR_PARALLEL = ("tp_plan", "tp_head")
 # standard deviation is over the duplicated rewards. kltriton computes neither.
 TRL_DUPLICATED = ("num_tokens", "rewards/reward_ids/std", "reward_std")
 TRAINERS = {"grpo": (GRPO, tuple(LAYOUTS)),
-            "rloo": (RLOO, ("ddp", "fsdp2_head", "zero3")),  # the same head as GRPO's: its three kinds of wrapper
+            # the same head as GRPO's (each asked for its trainer's statistics): DDP, FSDP2 with the head in its own unit
+            # and ZeRO-3
+            "rloo": (RLOO, ("ddp", "fsdp2_head", "zero3")), "sft": (SFT, ("ddp", "fsdp2_head", "zero3")),
+            "dpo": (DPO, ("ddp", "fsdp2_head", "zero3")), "kto": (KTO, ("ddp", "fsdp2_head", "zero3")),
             "gkd": (GKD, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16"))),
             "distillation": (DISTILLATION, tuple(k for k in LAYOUTS if k not in ("fsdp2_keep", "fsdp2_bf16")))}
 CASES = [(trainer, layout) for trainer, (_, layouts) in TRAINERS.items() for layout in layouts]
@@ -60,7 +64,7 @@ def runs(models, tmp_path_factory):
     jobs.append(dict(GRPO_ENTROPY_MASK, layout="tp_plan", **models))
     jobs.append(dict(GRPO, layout=CONTROL[1], kltriton=False, **models))
     ranks = launch.run(jobs, tmp_path_factory.mktemp("trl-sharded"), world_size=2)
-    results = {(r["job"], r["layout"]): r for r in ranks[0][:-3]}
+    results = {(r["name"], r["layout"]): r for r in ranks[0][:-3]}
     results["entropy_mask"], results["entropy_mask_tp"], results["trl"] = ranks[0][-3:]
     for mine, theirs in zip(ranks[0], ranks[1]):  # every rank logged the same (gathered) numbers
         for a, b in zip(mine["logs"], theirs["logs"]):
@@ -86,9 +90,11 @@ def test_trainer_equals_one_process_float64(trainer, layout, runs, references):
     assert not [line for line in run["lines"] if "TRL's own" in line or "keeps TRL's" in line], run["lines"]
     scored = {"grpo": "GRPOTrainer loss: kltriton.policy_loss", "gkd": "GKDTrainer loss: kltriton.token_divergence",
               "distillation": "DistillationTrainer loss: kltriton.token_divergence",
-              "rloo": "scores its log_probs and entropy with kltriton's LM head"}[trainer]
+              "rloo": "scores its log_probs and entropy with kltriton's LM head"}.get(
+                  trainer, "with kltriton's LM head")
     assert any(scored in line for line in run["lines"]), run["lines"]
-    counted = {"grpo": "policy_loss", "rloo": "token_logprobs"}.get(trainer, "token_divergence")
+    counted = {"grpo": "policy_loss", "gkd": "token_divergence", "distillation": "token_divergence"}.get(
+        trainer, "token_logprobs")
     assert run["calls"][counted] >= 2, run["calls"]
     if layout in TENSOR_PARALLEL:  # vocab-parallel from the DTensor head: no logits built, not even a shard's
         assert run["logits_built"] == 0, run["logits_built"]

@@ -379,6 +379,29 @@ def rloo(spec, out, world):
     return run(trainer, spec)
 
 
+def offline(spec, out, world):
+    """``SFTTrainer``, ``DPOTrainer`` or ``KTOTrainer`` (``spec["trainer"]``) on fixed prompts and completions (no
+    generation); DPO and KTO with their reference model. Their heads: kltriton's, asked for every statistic each
+    trainer logs."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    n, name = spec["batch"] * spec["steps"], spec["trainer"]
+    prompt, chosen, rejected = prompts(n, length=4), prompts(n, seed=1), prompts(n, seed=2)
+    data = {"sft": {"prompt": prompt, "completion": chosen},
+            "dpo": {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+            "kto": {"prompt": prompt, "completion": chosen, "label": [i % 2 == 0 for i in range(n)]}}[name]
+    args = common_arguments(spec, out, world)
+    args.update(per_device_train_batch_size=spec["batch"] // data_parallel(spec, world), max_length=16,
+                model_init_kwargs={"dtype": "auto"}, **spec.get("config", {}))
+    args = getattr(trl, f"{name.upper()}Config")(**args)
+    trainer = getattr(trl, f"{name.upper()}Trainer")(model=model_path(spec), args=args,
+                                                     train_dataset=Dataset.from_dict(data),
+                                                     processing_class=AutoTokenizer.from_pretrained(spec["model"]))
+    return run(trainer, spec)
+
+
 def gkd(spec, out, world):
     """``GKDTrainer`` on fixed completions (``lmbda=0``: no generation), a wider teacher."""
     from datasets import Dataset
@@ -857,7 +880,7 @@ def describe(trainer):
             "fsdp_units": units, "zero_stage": stage}
 
 
-JOBS = {"grpo": grpo, "rloo": rloo, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
+JOBS = {"grpo": grpo, "rloo": rloo, "offline": offline, "gkd": gkd, "distillation": distillation, "verl": verl_engine, "openrlhf": openrlhf_actor,
         "heads": heads_job, "tensor_parallel": tensor_parallel_head, "heads_2d": heads_2d}
 
 
@@ -955,8 +978,9 @@ def main(path):
             from openrlhf_support import stub_flash_attn
 
             stub_flash_attn()
-        if spec.get("kltriton", True) and layout != "reference" and spec["job"] in ("grpo", "rloo", "gkd",
-                                                                                     "distillation", "verl", "openrlhf"):
+        if spec.get("kltriton", True) and layout != "reference" and spec["job"] in ("grpo", "rloo", "offline",
+                                                                                     "gkd", "distillation", "verl",
+                                                                                     "openrlhf"):
             patch = integration(spec["job"]).apply()
         try:
             result = JOBS[spec["job"]](spec, out, world)
