@@ -114,6 +114,7 @@ def token_logprobs(
     if "is_top1" in values:
         values["is_top1"] = values["is_top1"] == 1  # NaN (no distribution, or a label out of range): False
     if "mean_logits" in wanted:
-        # The sum (kept times LOGIT_SUM_SCALE, merged over vocab pieces) divided by V before it is scaled back.
-        values["mean_logits"] = stats.sum_logits.view(shape) / call.vocab * (1 / constants.LOGIT_SUM_SCALE)
+        # The sum, kept times LOGIT_SUM_SCALE (merged over vocab pieces), times one factor: a finite mean never
+        # overflows on the way.
+        values["mean_logits"] = stats.sum_logits.view(shape) * (1 / (constants.LOGIT_SUM_SCALE * call.vocab))
     return TokenOutputs(logp, **values)

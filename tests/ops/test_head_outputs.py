@@ -69,6 +69,20 @@ def test_outputs_with_shift_labels_and_mask(backend, device):
     assert not out.is_top1[:, -1].any() and (out.mean_logits[:, -1] == 0).all()
 
 
+def test_mean_over_padding(backend, dtype, device):
+    """``finfo.min`` padding counts at its value (a finite mean, though the fp32 sum of a few overflows); one ``-inf``
+    entry makes the mean ``-inf``, as TRL's plain sum over every column."""
+    logits = random_logits((3, 300), dtype)
+    logits[:, 200:] = torch.finfo(dtype).min
+    logits[2, 7] = float("-inf")
+    labels = torch.tensor([1, 2, 3])
+    out = kltriton.token_logprobs(logits.to(device), labels.to(device), temperature=0.5, backend=backend,
+                                  outputs=("mean_logits",))
+    _, mean, _ = expected(logits, labels, 0.5)
+    assert out.mean_logits[2].item() == float("-inf") and torch.isfinite(out.mean_logits[:2]).all()
+    assert_close(out.mean_logits[:2].cpu(), mean[:2], 1e-5 * mean[:2].abs().max().item(), what="mean_logits")
+
+
 @pytest.mark.parametrize("tile", [None, 64 * 97], ids=["whole-vocab", "vocab-tiles"])
 def test_linear_logits_match_the_dense_oracle(backend, dtype, tile):
     """An LM head (``LinearLogits``) cut into vocab tiles gives the dense logits' values: small integer hidden states
