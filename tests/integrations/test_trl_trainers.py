@@ -11,8 +11,8 @@ pytest.importorskip("trl")
 
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
-from test_trl import _TrlHeadCounter  # noqa: E402
-from trl_support import tie_head_rows, tiny_llama, train_offline  # noqa: E402
+from test_trl import _TrlHeadCounter, tied_model_dir  # noqa: E402,F401  (a fixture: the head's rows tied in pairs)
+from trl_support import train_offline  # noqa: E402
 
 CONFIGURATIONS = {
     "sft-nll": ("sft", {}),
@@ -28,22 +28,14 @@ CONFIGURATIONS = {
 EXACT = ("mean_token_accuracy", "rewards/accuracies", "num_tokens")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-tied")
-    tiny_llama(path)
-    tie_head_rows(path)
-    return path
-
-
 @pytest.mark.parametrize("name", list(CONFIGURATIONS))
-def test_offline_trainer_trains_the_same_with_kltriton_head(name, model_dir, tmp_path, monkeypatch, caplog):
+def test_offline_trainer_trains_the_same_with_kltriton_head(name, tied_model_dir, tmp_path, monkeypatch, caplog):
     trainer, overrides = CONFIGURATIONS[name]
-    trl_logs = train_offline(trainer, model_dir, tmp_path / "trl", **overrides)
+    trl_logs = train_offline(trainer, tied_model_dir, tmp_path / "trl", **overrides)
     trl_head = _TrlHeadCounter(monkeypatch)
     logprobs = CallCounter(monkeypatch, "token_logprobs")
     with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
-        kl_logs = train_offline(trainer, model_dir, tmp_path / "kltriton", **overrides)
+        kl_logs = train_offline(trainer, tied_model_dir, tmp_path / "kltriton", **overrides)
     lines = [record.getMessage() for record in caplog.records]
     assert not any("keeps TRL's" in line for line in lines), lines
     assert any("with kltriton's LM head" in line for line in lines), lines
@@ -62,12 +54,12 @@ def test_offline_trainer_trains_the_same_with_kltriton_head(name, model_dir, tmp
 
 
 @pytest.mark.filterwarnings("ignore:`label_smoothing_factor` is deprecated:FutureWarning")  # TRL's, about the option
-def test_sft_with_label_smoothing_says_its_loss_is_trls(model_dir, tmp_path, monkeypatch, caplog):
+def test_sft_with_label_smoothing_says_its_loss_is_trls(tied_model_dir, tmp_path, caplog):
     """With ``label_smoothing_factor`` SFT's loss is TRL's, from the model's own logits; kltriton's head gives the
     metrics, and one line says so. The logs equal plain TRL's."""
-    trl_logs = train_offline("sft", model_dir, tmp_path / "trl", label_smoothing_factor=0.1)
+    trl_logs = train_offline("sft", tied_model_dir, tmp_path / "trl", label_smoothing_factor=0.1)
     with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
-        kl_logs = train_offline("sft", model_dir, tmp_path / "kltriton", label_smoothing_factor=0.1)
+        kl_logs = train_offline("sft", tied_model_dir, tmp_path / "kltriton", label_smoothing_factor=0.1)
     lines = [record.getMessage() for record in caplog.records]
     assert sum("SFTTrainer loss: TRL's code on the model's own logits (its label_smoothing_factor)" in line
                for line in lines) == 1, lines
