@@ -83,7 +83,7 @@ logger = logging.getLogger(__name__)
 _logged = set()
 
 def _install(patch: Patch) -> None:
-    """Make TRL's fused LM head (every trainer's) compute log-probs and entropy with kltriton, and
+    """Make TRL's fused LM head (every trainer's) compute its log-probs and statistics with kltriton, and
     ``trl.GRPOTrainer`` its loss where it maps.
 
     Call ``apply()`` before building the trainer.
@@ -311,11 +311,10 @@ def _score(logits, *, mask, labels, temperature, statistics, num_items_in_batch)
     out = kltriton.token_logprobs(logits, labels, temperature=temperature, outputs=statistics,
                                   truncation=_truncation.get())
     # masked_scatter keeps the outputs connected to the model even when no position is scored
-    fields = {name: getattr(out, name).new_zeros(mask.shape).masked_scatter(mask, getattr(out, name))
-              for name in statistics}
-    log_probs = out.logp.new_zeros(mask.shape).masked_scatter(mask, out.logp)
+    values = {"log_probs": out.logp, **{name: getattr(out, name) for name in statistics}}
+    fields = {name: value.new_zeros(mask.shape).masked_scatter(mask, value) for name, value in values.items()}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, label_mask=mask, **fields)
+    return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, label_mask=mask, **fields)
 
 
 # ---------------------------------------------------------------------------------------------- loss

@@ -175,7 +175,7 @@ def test_every_head_output_equals_trls(trainer, outputs, tied_model_dir, monkeyp
     theirs = model(input_ids=ids, labels=labels, fused_lm_head=True)
     assert trl_head.calls == 1
     assert torch.equal(ours.label_mask, theirs.label_mask)
-    for name in ("is_top1",) if "is_top1" in outputs else ():
+    if "is_top1" in outputs:
         assert torch.equal(ours.is_top1, theirs.is_top1)
         assert bool(ours.is_top1[:3, 3:].all()) and not bool(ours.is_top1[3:].any())  # the tie rule decided
     for name in ("loss", *(name for name in outputs if name != "is_top1")):
