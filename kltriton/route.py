@@ -88,7 +88,7 @@ def statistics(call: Call, request: int) -> StreamStats:
     args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
-    return StreamStats(*statistics_ops.statistics(*args[:-1], True, args[-1])[:len(table.NAMES)])
+    return statistics_ops.local(*args)
 
 
 def check_head(call: Call):

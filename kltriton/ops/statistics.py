@@ -9,6 +9,7 @@ its hidden states, weight and bias. ``labels_here``: every scored target is a la
 vocab shard, where a target ``>= V`` is a label another shard holds).
 """
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -18,8 +19,9 @@ from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.linear.tiles import one_tile, plan
 from kltriton.kernels.stream import Upstream
+from kltriton._autograd import first_order
 from kltriton.ops._define import (BASIS, BOOL, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
-                                  define_op)
+                                  define_op, eager)
 
 
 def family(policy, ref) -> str:
@@ -125,20 +127,37 @@ tile_gradient = define_op(
     fake=lambda args: empty_gradients(args.policy, args.needs_grad))
 
 
+def _dense_gradient(logits, ref, target, temperature, lse, ref_lse, upstream, backend):
+    """The gradient of dense logits: the basis is computed per row inside the kernel, which reads the reference only
+    for the terms that need it."""
+    with_ref = upstream.reads_ref()
+    return statistics_gradient(logits, ref if with_ref else None, target, temperature, lse,
+                               ref_lse if with_ref else None, upstream, backend)
+
+
+def _present(grads, saved) -> dict:
+    """The gradients ``grads`` (statistic name -> ``[N]`` or None) of the differentiable statistics a forward computed
+    (``saved`` holds them by name): a statistic it did not compute has no gradient (a traced backward may hand it an
+    empty one)."""
+    return {name: g for name, g in grads.items()
+            if g is not None and name in table.DIFFERENTIABLE and getattr(saved, name).shape == saved.lse.shape}
+
+
+def _upstream(grads, saved) -> Upstream:
+    """The ``Upstream`` of the kernels from ``_present`` gradients."""
+    entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
+    return Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
+                    None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
+
+
 def _backward(saved, grads):
     needs_grad = saved.needs_grad["policy"][:3]
     policy, ref = saved.policy, saved.ref
-    # a statistic the forward did not compute has no gradient (a traced backward may hand it an empty one)
-    grads = {name: g for name, g in grads.items()
-             if g is not None and name in table.DIFFERENTIABLE and getattr(saved, name).shape == saved.lse.shape}
-    entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
-    upstream = Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
-                        None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
-    if family(policy, ref) == "stream":  # dense logits: the basis is computed per row inside the kernel
-        with_ref = upstream.reads_ref()
-        grad = statistics_gradient(policy.x, ref.x if with_ref else None, saved.target, saved.temperature, saved.lse,
-                                   saved.ref_lse if with_ref else None, upstream, saved.backend)
-        return {"policy": (grad, None, None)}
+    grads = _present(grads, saved)
+    upstream = _upstream(grads, saved)
+    if family(policy, ref) == "stream":
+        return {"policy": (_dense_gradient(policy.x, None if ref is None else ref.x, saved.target, saved.temperature, saved.lse,
+                                           saved.ref_lse, upstream, saved.backend), None, None)}
     if saved.tile.numel():  # one tile, kept by the forward: the gradient is written over it
         # Through the dispatcher (torch.compile, opcheck) the tile is an output of the op others may hold (and a saved
         # output written in place cannot be partitioned): write a copy. An eager call's tile is its own.
@@ -167,3 +186,46 @@ statistics = define_op(
     backward=_backward,
     materialize_grads=False,
     grad_outputs=lambda args: _differentiable(args.request))
+
+
+class _DenseStatistics(torch.autograd.Function):
+    """``statistics`` of dense logits in an eager call that needs a gradient (``local``): the ``stream`` kernels
+    through one plain autograd node, without ``Op``'s generic bookkeeping, which costs more than the kernels at small
+    ``N`` (``python -m benchmarks host``). The forward returns the differentiable statistics of the request and puts
+    every statistic in ``out``; the statistics it does not return are held, the ones it returns saved (holding a
+    returned output would be a reference cycle through this node)."""
+
+    @staticmethod
+    def forward(ctx, logits, ref, target, temperature, plan):
+        request, backend, out = plan  # one argument: each costs the autograd node's apply
+        stats = dispatch.implementation("stream", backend).forward(logits, ref, target, temperature, request)
+        out.append(stats)
+        ctx.names, ctx.backend, ctx.lse, ctx.ref_lse = _differentiable(request), backend, stats.lse, stats.ref_lse
+        kept = [getattr(stats, name) if name in ctx.names else None for name in ("entropy", "full_kl")]
+        ctx.save_for_backward(logits, ref, target, temperature, *kept)
+        ctx.set_materialize_grads(False)
+        return tuple(getattr(stats, name) for name in ctx.names)
+
+    @staticmethod
+    @first_order("kltriton::statistics")
+    def backward(ctx, *grads):
+        logits, ref, target, temperature, entropy, full_kl = ctx.saved_tensors
+        given = {name: g for name, g in zip(ctx.names, grads) if g is not None}
+        upstream = _upstream(given, SimpleNamespace(entropy=entropy, full_kl=full_kl))
+        return (_dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend),
+                None, None, None, None)
+
+
+def local(policy, ref, target, temperature, request, tile_elements, backend) -> StreamStats:
+    """``StreamStats`` of this rank's rows (every target a label of this vocabulary): the ``statistics`` op, or, for
+    dense logits in an eager call (``eager``: no ``torch.compile``, fake or functional tensor), the backend's kernels
+    called directly (``_DenseStatistics`` when the logits need a gradient)."""
+    if family(policy, ref) != "stream" or not eager((policy.x, None if ref is None else ref.x, target, temperature)):
+        return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True,
+                                       backend)[:len(table.NAMES)])
+    ref_x = None if ref is None else ref.x
+    if not (torch.is_grad_enabled() and policy.x.requires_grad):
+        return dispatch.implementation("stream", backend).forward(policy.x, ref_x, target, temperature, request)
+    out = []
+    returned = _DenseStatistics.apply(policy.x, ref_x, target, temperature, (request, backend, out))
+    return out[0]._replace(**dict(zip(_differentiable(request), returned)))
