@@ -1,8 +1,9 @@
-"""TRL (tested with 1.16): the fused LM head of TRL's trainers, ``GRPOTrainer``'s loss and the distillation
-trainers' divergence computed with kltriton.
+"""TRL (tested with 1.16): the fused LM head of TRL's trainers, ``GRPOTrainer``'s loss, the distillation
+trainers' divergence and the experimental trainers' full-logits forwards computed with kltriton.
 
-``apply()`` changes TRL's ``add_fused_lm_head`` (in every TRL module that imported it), ``GRPOTrainer._compute_loss``
-and four functions of TRL's distillation (below), and ``undo()`` puts them back.
+``apply()`` changes TRL's ``add_fused_lm_head`` (in every TRL module that imported it), ``GRPOTrainer._compute_loss``,
+four functions of TRL's distillation (below) and the experimental trainers' forwards
+(``kltriton.integrations.trl_experimental``), and ``undo()`` puts them back.
 
 Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
 wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
@@ -28,6 +29,8 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   ``aux_loss``. A model with a PEFT adapter on the head keeps TRL's head, with a log line naming the reason.
 - ``SFTTrainer.compute_loss``: unchanged, but one log line where SFT's loss comes from the model's own logits (TRL's
   code, with ``label_smoothing_factor`` or a ``compute_loss_func``; the head then gives only the metrics).
+- ``OnlineDPOTrainer._forward`` (experimental): the completion tokens' log-probs from the hidden states
+  (``kltriton.integrations.trl_experimental``, which says where TRL's own forward still runs).
 - ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
   which the experimental trainers that still build the ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO,
   SDPO, SDFT, A2PO): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
@@ -118,6 +121,9 @@ def _install(patch: Patch) -> None:
     _install_logit_helpers(patch)
     _install_sft_loss_note(patch)
     _install_distillation(patch)
+    from kltriton.integrations import trl_experimental
+
+    trl_experimental.install(patch)  # experimental trainers' full-logits forwards, from the hidden states
     if _switches["truncation"]:
         _install_truncation(patch, grpo_trainer)
 
