@@ -29,11 +29,12 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   ``aux_loss``. A model with a PEFT adapter on the head keeps TRL's head, with a log line naming the reason.
 - ``SFTTrainer.compute_loss``: unchanged, but one log line where SFT's loss comes from the model's own logits (TRL's
   code, with ``label_smoothing_factor`` or a ``compute_loss_func``; the head then gives only the metrics).
-- ``OnlineDPOTrainer._forward`` (experimental): the completion tokens' log-probs from the hidden states
-  (``kltriton.integrations.trl_experimental``, which says where TRL's own forward still runs).
+- ``OnlineDPOTrainer._forward`` (the completion tokens' log-probs) and ``CPOTrainer`` / ``ORPOTrainer``'s
+  ``concatenated_forward`` (log-prob sums or means, NLL loss, mean logits), experimental: from the hidden states, no
+  ``[B, T, V]`` logits (``kltriton.integrations.trl_experimental``, which says where TRL's own forward still runs).
 - ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
-  which the experimental trainers that still build the ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO,
-  SDPO, SDFT, A2PO): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
+  which the experimental trainers that still build the ``[B, T, V]`` logits call (TPO, SDPO, SDFT, A2PO; CPO and ORPO
+  where TRL's forward runs): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
   logits' dtype (TRL's CPU path returns the logits' dtype).
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
@@ -243,8 +244,8 @@ _LOGIT_HELPERS = ("selective_log_softmax", "selective_log_softmax_and_entropy", 
 
 def _install_logit_helpers(patch: Patch) -> None:
     """TRL's helpers on full logits (``_LOGIT_HELPERS``), which the experimental trainers that still build the
-    ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO, SDPO, SDFT, A2PO): ``kltriton.dropins`` in every
-    TRL module that holds them."""
+    ``[B, T, V]`` logits call (TPO, SDPO, SDFT, A2PO; CPO and ORPO where TRL's forward runs): ``kltriton.dropins`` in
+    every TRL module that holds them."""
     from trl.trainer import utils as trl_utils
 
     for name in _LOGIT_HELPERS:
