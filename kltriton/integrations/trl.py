@@ -1,8 +1,9 @@
-"""TRL (tested with 1.16): the fused LM head of TRL's trainers, ``GRPOTrainer``'s loss and the distillation
-trainers' divergence computed with kltriton.
+"""TRL (tested with 1.16): the fused LM head of TRL's trainers, ``GRPOTrainer``'s loss, the distillation
+trainers' divergence and the experimental trainers' full-logits forwards computed with kltriton.
 
-``apply()`` changes TRL's ``add_fused_lm_head`` (in every TRL module that imported it), ``GRPOTrainer._compute_loss``
-and four functions of TRL's distillation (below), and ``undo()`` puts them back.
+``apply()`` changes TRL's ``add_fused_lm_head`` (in every TRL module that imported it), ``GRPOTrainer._compute_loss``,
+four functions of TRL's distillation (below) and the experimental trainers' forwards
+(``kltriton.integrations.trl_experimental``), and ``undo()`` puts them back.
 
 Sharded training (DDP, FSDP2 with the head in any unit, DeepSpeed ZeRO-2/3): every score is computed inside the
 wrapped model's forward and the LM head's own (``kltriton.heads.score_with_lm_head``), so each wrapper's hooks
@@ -22,21 +23,27 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   ``kltriton.token_logprobs(..., outputs=...)``: the log-probs and every statistic the trainer asked its head for
   (``entropy``; ``is_top1``, SFT's and DPO's token accuracy; ``mean_logits``, DPO's and KTO's logged logits;
   ``log_sum_sq_probs``, DPO's WPO weight) in one pass. So call ``apply()`` before building the trainer. After
-  ``undo()`` the wrapped models use TRL's head again. A model with MoE router losses or with a PEFT adapter on the
-  head keeps TRL's head, with a log line naming the reason.
+  ``undo()`` the wrapped models use TRL's head again. An MoE model whose config asks for router logits gets TRL's
+  load-balancing loss from kltriton's head too: the backbone returns its router logits, and the head adds
+  ``router_aux_loss_coef`` times transformers' ``load_balancing_loss_func`` to the loss and returns it as
+  ``aux_loss``. A model with a PEFT adapter on the head keeps TRL's head, with a log line naming the reason.
 - ``SFTTrainer.compute_loss``: unchanged, but one log line where SFT's loss comes from the model's own logits (TRL's
   code, with ``label_smoothing_factor`` or a ``compute_loss_func``; the head then gives only the metrics).
+- ``OnlineDPOTrainer._forward`` (the completion tokens' log-probs) and ``CPOTrainer`` / ``ORPOTrainer``'s
+  ``concatenated_forward`` (log-prob sums or means, NLL loss, mean logits), experimental: from the hidden states, no
+  ``[B, T, V]`` logits (``kltriton.integrations.trl_experimental``, which says where TRL's own forward still runs).
 - ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
-  which the experimental trainers that still build the ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO,
-  SDPO, SDFT, A2PO): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
+  which the experimental trainers that still build the ``[B, T, V]`` logits call (TPO, SDPO, SDFT, A2PO; CPO and ORPO
+  where TRL's forward runs): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
   logits' dtype (TRL's CPU path returns the logits' dtype).
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM
   importance-sampling correction map onto it; on several processes the entropy mask's quantile is over every
   data-parallel process's tokens, as TRL's (``entropy_quantile_group``: ``data_parallel_group``). TRL's own
-  ``_compute_loss`` runs (on kltriton's log-probs) only for a model kltriton's head does not serve (MoE router
-  losses, multimodal inputs), with one log line per reason. The loss is computed inside the
+  ``_compute_loss`` runs (on kltriton's log-probs and, for an MoE model, kltriton's head's ``aux_loss``) only for
+  the MoE load-balancing loss, multimodal inputs or a model kltriton's head does not serve, with one log line per
+  reason. The loss is computed inside the
   model's forward: the patched forward gets it as a function (``fused_lm_head=<callable>``) and returns
   ``kltriton.policy_loss``'s output.
 - With ``apply(truncation=True)`` (off by default), also ``GRPOTrainer._get_per_token_logps_and_entropies``
@@ -115,6 +122,9 @@ def _install(patch: Patch) -> None:
     _install_logit_helpers(patch)
     _install_sft_loss_note(patch)
     _install_distillation(patch)
+    from kltriton.integrations import trl_experimental
+
+    trl_experimental.install(patch)  # experimental trainers' full-logits forwards, from the hidden states
     if _switches["truncation"]:
         _install_truncation(patch, grpo_trainer)
 
@@ -234,8 +244,8 @@ _LOGIT_HELPERS = ("selective_log_softmax", "selective_log_softmax_and_entropy", 
 
 def _install_logit_helpers(patch: Patch) -> None:
     """TRL's helpers on full logits (``_LOGIT_HELPERS``), which the experimental trainers that still build the
-    ``[B, T, V]`` logits call (CPO / SimPO / AlphaPO, ORPO, TPO, SDPO, SDFT, A2PO): ``kltriton.dropins`` in every
-    TRL module that holds them."""
+    ``[B, T, V]`` logits call (TPO, SDPO, SDFT, A2PO; CPO and ORPO where TRL's forward runs): ``kltriton.dropins`` in
+    every TRL module that holds them."""
     from trl.trainer import utils as trl_utils
 
     for name in _LOGIT_HELPERS:
@@ -245,8 +255,6 @@ def _install_logit_helpers(patch: Patch) -> None:
 def _head_scaling(model):
     """``(logit_scale, softcap)`` of the model's LM head (``kltriton.linear_logits.head_scaling``, TRL's reading
     of the config), or a string saying why kltriton's head can't serve the model."""
-    if getattr(model.config.get_text_config(), "output_router_logits", False):
-        return "the model returns MoE router logits (its load-balancing loss is TRL's)"
     head = model.get_output_embeddings()
     if head is not None and hasattr(head, "base_layer"):
         return "its LM head carries a PEFT adapter (kltriton would project with the base weight only)"
@@ -276,13 +284,18 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
     trl_forward = model.forward
     statistics = tuple(name for name in outputs if name != "log_probs")  # token_logprobs' outputs= names
 
+    @functools.wraps(type(model).forward)  # as TRL's: generate() reads the model's kwargs off this signature
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):
         if not patch.active or fused_lm_head is False:
             return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        text_config = self.config.get_text_config()
+        if getattr(text_config, "output_router_logits", False):  # as TRL's head and the model's own forward
+            kwargs.setdefault("output_router_logits", True)
+        backbone = self.base_model(*args, **kwargs)
+        hidden = backbone.last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
@@ -292,9 +305,13 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
         if callable(fused_lm_head):  # the loss path (_kltriton_loss): scored by kltriton.policy_loss in here
             return heads.score_with_lm_head(self, hidden, fused_lm_head)
         mask = labels != -100
+        aux_loss, aux_coef = None, 0.0
+        if kwargs.get("output_router_logits"):
+            aux_loss = _router_aux_loss(self, backbone.router_logits, kwargs.get("attention_mask"))
+            aux_coef = getattr(text_config, "router_aux_loss_coef", 0.0)
         return heads.score_with_lm_head(self, hidden[mask], functools.partial(
             _score, mask=mask, labels=labels[mask], temperature=temperature, statistics=statistics,
-            num_items_in_batch=num_items_in_batch))
+            num_items_in_batch=num_items_in_batch, aux_loss=aux_loss, aux_coef=aux_coef))
 
     model.forward = types.MethodType(forward, model)
     model._kltriton_head_scaling = (logit_scale, softcap)
@@ -303,9 +320,29 @@ def _wrap_fused_head(model, patch: Patch, temperature, cast_lm_head_to_fp32, out
               f"(logit_scale={logit_scale}, softcap={softcap})")
 
 
-def _score(logits, *, mask, labels, temperature, statistics, num_items_in_batch):
+def _router_aux_loss(model, router_logits, attention_mask):
+    """The MoE load-balancing loss TRL 1.16's head adds: transformers' Mixtral ``load_balancing_loss_func`` (every
+    MoE family's) of the backbone's router logits (one ``[B * T, experts]`` per layer), with the expert counts read
+    where TRL reads them for the installed transformers. ``attention_mask`` None (padding-free): every token counts."""
+    import transformers
+    from packaging.version import Version
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    text_config = model.config.get_text_config()
+    version = Version(transformers.__version__)
+    if version < Version("5.0.0"):
+        num_experts, per_token = model.num_experts, model.num_experts_per_tok
+    else:  # GptOssConfig has no num_experts in transformers [5.0, 5.6) (TRL's issue #5754): the model's
+        gpt_oss_without = text_config.model_type == "gpt_oss" and version < Version("5.6.0")
+        num_experts = model.num_experts if gpt_oss_without else text_config.num_experts
+        per_token = text_config.num_experts_per_tok
+    return load_balancing_loss_func(router_logits, num_experts, per_token, attention_mask)
+
+
+def _score(logits, *, mask, labels, temperature, statistics, num_items_in_batch, aux_loss=None, aux_coef=0.0):
     """TRL's ``FusedCausalLMOutput`` from the ``LinearLogits`` of the scored positions (``mask``) and their labels:
-    the log-probs and the ``statistics`` the head was asked for, in one pass; each zero (False) where not scored."""
+    the log-probs and the ``statistics`` the head was asked for, in one pass; each zero (False) where not scored.
+    With an MoE ``aux_loss`` (a scalar), the loss adds ``aux_coef * aux_loss`` and the output carries it."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     out = kltriton.token_logprobs(logits, labels, temperature=temperature, outputs=statistics,
@@ -314,7 +351,10 @@ def _score(logits, *, mask, labels, temperature, statistics, num_items_in_batch)
     values = {"log_probs": out.logp, **{name: getattr(out, name) for name in statistics}}
     fields = {name: value.new_zeros(mask.shape).masked_scatter(mask, value) for name, value in values.items()}
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, label_mask=mask, **fields)
+    loss = -fields["log_probs"].sum() / count
+    if aux_loss is not None:
+        loss = loss + aux_coef * aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -334,7 +374,7 @@ def _why_trl_loss(trainer, inputs) -> Optional[str]:
     model = trainer.accelerator.unwrap_model(trainer.model)
     checks = [
         (trainer.loss_type not in terms.LOSS_TYPES, f"loss_type={trainer.loss_type!r} is not one kltriton knows"),
-        (trainer.aux_loss_enabled, "the MoE aux loss is on (the router logits come from TRL's forward)"),
+        (trainer.aux_loss_enabled, "the MoE aux loss is on (kltriton.policy_loss does not add it)"),
         (any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS), "the inputs are multimodal"),
         (not hasattr(model, "_kltriton_head_scaling"), "the model kept TRL's fused LM head"),
     ]
@@ -656,6 +696,8 @@ def _why_trl_gkd(trainer, model, inputs, return_outputs) -> Optional[str]:
             return f"the {name} model has no LM head and backbone to read hidden states from"
         if isinstance(_head_scaling(m), str):
             return f"the {name}: {_head_scaling(m)}"
+        if getattr(m.config.get_text_config(), "output_router_logits", False):
+            return f"the {name} is an MoE model (kltriton's GKD loss is not tested on one)"
     if any(inputs.get(k) is not None for k in _MULTIMODAL_INPUTS):
         return "the inputs are multimodal"
     return None

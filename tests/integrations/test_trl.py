@@ -261,16 +261,18 @@ def test_model_built_while_applied_uses_trl_head_after_undo(module, model_dir, m
 
 
 def test_moe_router_loss_falls_back_to_trl_loss_with_a_log_line(tmp_path, caplog):
-    """A model whose forward returns MoE router logits keeps TRL's head and TRL's loss (its load-balancing loss
-    comes from that forward), with a log line saying so."""
+    """A model whose forward returns MoE router logits is scored by kltriton's head (which returns the
+    load-balancing loss, tests/integrations/test_trl_moe.py), but GRPO's loss is TRL's (policy_loss does not add the
+    aux loss), with a log line saying so."""
     model = tmp_path / "tiny-mixtral"
     tiny_mixtral(model)
     with kl_trl.apply(), caplog.at_level("WARNING", logger="kltriton.integrations.trl"):
         logs = train(model, tmp_path / "moe", max_steps=1, num_iterations=1)
-    assert len(logs) == 1
+    assert len(logs) == 1 and "aux_loss" in logs[0]
     lines = [record.getMessage() for record in caplog.records]
-    assert any("keeps TRL's fused LM head" in line for line in lines), lines
-    assert any("TRL's own code" in line for line in lines), lines
+    assert any("MixtralForCausalLM scores its log_probs and entropy with kltriton's LM head" in line
+               for line in lines), lines
+    assert any("GRPOTrainer loss: TRL's own code" in line and "MoE aux loss" in line for line in lines), lines
 
 
 class _Recorder:

@@ -45,13 +45,14 @@ def tie_head_rows(model_dir):
 
 
 def tiny_mixtral(path):
-    """A 1-layer Mixtral (2 experts) that returns its router logits: TRL adds its load-balancing loss."""
+    """A 2-layer Mixtral (4 experts, 2 per token) that returns its router logits: TRL adds its load-balancing
+    loss (``router_aux_loss_coef`` 0.01)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     vocab, tokenizer = _tokenizer()
-    config = MixtralConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = MixtralConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           num_local_experts=2, num_experts_per_tok=1, output_router_logits=True,
+                           num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                            router_aux_loss_coef=0.01, pad_token_id=0, bos_token_id=2, eos_token_id=2,
                            tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -121,6 +122,31 @@ def train_offline(trainer_name, model_dir, out_dir, steps=3, **overrides):
     return [log for log in trainer.state.log_history if "loss" in log]
 
 
+def train_online_dpo(model_dir, out_dir, peft_config=None, watch_model=None, **overrides):
+    """Run the experimental ``OnlineDPOTrainer`` (TRL's own generation at temperature 0.9, ``reward_cats`` as its
+    reward) for 4 fp32 optimizer steps; return the per-step logs. ``watch_model(model)`` runs before the trainer is
+    built (e.g. to hook the LM head)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's warning on importing trl.experimental
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    args = dict(output_dir=str(out_dir), report_to="none", use_cpu=True, bf16=False, seed=0, data_seed=0,
+                per_device_train_batch_size=4, max_steps=4, learning_rate=0.05, logging_steps=1, save_strategy="no",
+                disable_tqdm=True, dataloader_num_workers=0, max_new_tokens=6, temperature=0.9)
+    args.update(overrides)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if watch_model is not None:
+        watch_model(model)
+    trainer = OnlineDPOTrainer(model=model, reward_funcs=reward_cats, args=OnlineDPOConfig(**args),
+                               train_dataset=dataset(), processing_class=AutoTokenizer.from_pretrained(model_dir),
+                               peft_config=peft_config)
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
 def dataset():
     from datasets import Dataset
 
@@ -165,3 +191,32 @@ def assert_same_logs(trl_logs, kl_logs, **tolerances):
                     (step, key, a[key], b[key])
         for key in ("reward", "reward_std", "num_tokens", "completions/mean_length"):  # at generation steps
             assert a.get(key) == b.get(key), (step, "completions differ", key, a.get(key), b.get(key))
+
+
+def assert_logs_close(trl_logs, kl_logs, steps, exact=()):
+    """Every logged metric of the two runs (``steps`` each) within 1e-4 relative (+1e-6 absolute), those in
+    ``exact`` equal. The runs differ in fp32 rounding only: TRL folds the vocabulary in torch, kltriton streams it;
+    per-token log-probs agree to ~1e-6 and a few SGD steps of lr 0.05 carry that to ~1e-5 relative."""
+    assert len(trl_logs) == len(kl_logs) == steps, (len(trl_logs), len(kl_logs))
+    for step, (a, b) in enumerate(zip(trl_logs, kl_logs), start=1):
+        assert set(a) == set(b), (step, set(a) ^ set(b))
+        for key in a:
+            if key in exact:
+                assert a[key] == b[key], (step, key, a[key], b[key])
+            else:
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (step, key, a[key], b[key])
+
+
+class FullLogitsWatch:
+    """Called on a model, hooks its LM head module and records the shape of every ``[B, T, V]`` logits tensor the
+    head's own forward returns (kltriton's scoring runs as the head's forward too, returning log-probs instead)."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def __call__(self, model):
+        def record(module, args, output):
+            if isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[-1] == module.out_features:
+                self.shapes.append(tuple(output.shape))
+
+        model.get_output_embeddings().register_forward_hook(record)
