@@ -243,12 +243,14 @@ def _rescale(state, m_new, my_new, log2e_over_t, WANT: tl.constexpr):
 
 
 @triton.jit
-def fold(x, y, state, log2e_over_t, WANT: tl.constexpr, offs=None, hi=None, label=None):
+def fold(x, y, state, log2e_over_t, WANT: tl.constexpr, before_label=None, present=None):
     """Fold tiles ``x`` / ``y`` ``[SUBTILES, LANES, VEC]`` (fp32 logits, ``-inf`` = absent) into the per-lane
     ``state`` ``[LANES]``: each lane reduces only the values it holds, so no lane waits for another. The head's
-    terms (``WANT_HEAD``) read the tile's vocab positions ``offs``, the end ``hi`` of the entries present and the
-    row's ``label``."""
-    m_new = tl.maximum(state[0], tl.max(tl.max(x, axis=2), axis=0))
+    terms (``WANT_HEAD``) read which entries lie before the row's label (``before_label``) and which are present
+    (``present``): for a full tile (``present`` None) ``before_label`` is one bool, the whole tile or none of it
+    (the label's own tile adds to ``b`` through ``_max_before_label``), no mask per entry; for the tail, two masks."""
+    x_max = tl.max(tl.max(x, axis=2), axis=0)
+    m_new = tl.maximum(state[0], x_max)
     my_new = state[3]
     if WANT_REF & WANT:
         my_new = tl.maximum(state[3], tl.max(tl.max(y, axis=2), axis=0))
@@ -272,8 +274,13 @@ def fold(x, y, state, log2e_over_t, WANT: tl.constexpr, offs=None, hi=None, labe
             # A token the policy bans (h = -inf) that the reference uses gives KL(q || p) = inf.
             v += tl.sum(tl.sum(tl.where(ey > 0, ey * (hy - h), 0.0), axis=2), axis=0)
     if WANT_HEAD & WANT:
-        b = tl.maximum(b, tl.max(tl.max(tl.where(offs < label, x, NEG_INF), axis=2), axis=0))
-        z += tl.sum(tl.sum(tl.where(offs < hi, x * H, 0.0), axis=2), axis=0)  # x H: no overflow (finfo.min)
+        # x H: no overflow (finfo.min). An absent entry (the tail's, loaded as -inf) would add -inf: masked.
+        if present is None:
+            b = tl.where(before_label, tl.maximum(b, x_max), b)
+            z += tl.sum(tl.sum(x * H, axis=2), axis=0)
+        else:
+            b = tl.maximum(b, tl.max(tl.max(tl.where(before_label, x, NEG_INF), axis=2), axis=0))
+            z += tl.sum(tl.sum(tl.where(present, x * H, 0.0), axis=2), axis=0)
         q += tl.sum(tl.sum(e * e, axis=2), axis=0)
     return m, s, t, my, sy, u, v, b, z, q
 
@@ -315,15 +322,34 @@ def stream_chunk(x_row, y_row, lo, hi, log2e_over_t, WANT: tl.constexpr, SUBTILE
         y = x  # stands for the reference tile when there is none (never used then)
         if WANT_REF & WANT:
             y = tl.load(y_row + start + tile).to(tl.float32)
-        state = fold(x, y, state, log2e_over_t, WANT, start + tile, hi, label)
+        before_label = None
+        if WANT_HEAD & WANT:
+            before_label = start + BLOCK <= label
+        state = fold(x, y, state, log2e_over_t, WANT, before_label)
+    if WANT_HEAD & WANT:
+        if (lo <= label) & (label < full_end):  # a full tile holds the label
+            b = tl.maximum(state[7], _max_before_label(x_row, label - (label - lo) % BLOCK, label, tile, floor))
+            state = state[:7] + (b,) + state[8:]
     if full_end < hi:
         offs = full_end + tile
         x = below_floor_absent(tl.load(x_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32), floor)
         y = x
         if WANT_REF & WANT:
             y = tl.load(y_row + offs, mask=offs < hi, other=NEG_INF).to(tl.float32)
-        state = fold(x, y, state, log2e_over_t, WANT, offs, hi, label)
+        before_label = None
+        if WANT_HEAD & WANT:
+            before_label = offs < label
+        state = fold(x, y, state, log2e_over_t, WANT, before_label, offs < hi)
     return merge(state, log2e_over_t, WANT)
+
+
+@triton.jit
+def _max_before_label(x_row, start, label, tile, floor=None):
+    """Per lane ``[LANES]``, the largest logit of the tile at ``start`` before ``label`` (``-inf``: none): the loop
+    folds the label's own tile without a mask per entry, this reads its entries before the label again (from L2)."""
+    offs = start + tile
+    x = below_floor_absent(tl.load(x_row + offs, mask=offs < label, other=NEG_INF).to(tl.float32), floor)
+    return tl.max(tl.max(x, axis=2), axis=0)
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import torch
 
 from kltriton import dispatch
 from kltriton.kernels import constants, statistics
+from kltriton.kernels import triton_rows as rows
 from helpers import EPS32, assert_close
 
 VOCABS = (1271, 401, 70_001)  # odd; not a multiple of any block; > 65,536 (Triton splits the row)
@@ -184,3 +185,28 @@ def test_vocab_pieces_merge_to_the_whole_row(backend):
                      2 * sum_atol[i].item() * constants.LOGIT_SUM_SCALE, what=f"sum {i}")
         assert_close(merged.log_sum_sq_probs[i:i + 1], whole.log_sum_sq_probs[i:i + 1], 2 * sq_atol[i].item(),
                      what=f"sq {i}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [9000, 9001])  # 16-byte loads / scalar loads; two full Triton tiles and a tail
+def test_is_top1_at_tile_boundaries(backend, dtype, vocab):
+    """Ties placed at the Triton forward's tile edges (the full tiles skip the per-entry before-label mask; the label's
+    own tile is read again up to the label): a label first or last in a full tile, first in the tail, the tie one entry
+    before it in the previous tile or in its own, or just after it."""
+    module = _backend(backend)
+    block = rows.forward_tile(vocab, torch.tensor([], dtype=dtype).element_size(), False).elements_per_iteration
+    assert 2 * block < vocab < 3 * block
+    cases = [  # (label, tie, is_top1)
+        (0, block, True), (block - 1, 0, False), (block - 1, block, True), (block, block - 1, False),
+        (block, block + 1, True), (2 * block - 1, block, False), (2 * block - 1, 2 * block, True),
+        (2 * block, 2 * block - 1, False), (2 * block, vocab - 1, True), (vocab - 1, 2 * block, False),
+        (block + 5, 3, False), (5, block + 3, True),
+    ]
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(len(cases), vocab, generator=gen) * 3.0
+    for i, (label, tie, _) in enumerate(cases):
+        x[i, [label, tie]] = 50.0
+    target = torch.tensor([label for label, _, _ in cases])
+    stats = check(module, x.to(dtype), target, torch.tensor(0.7, dtype=torch.float64))
+    assert stats.is_top1.tolist() == [1.0 if top else 0.0 for _, _, top in cases]
