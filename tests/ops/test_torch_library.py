@@ -49,6 +49,49 @@ def test_opcheck(backend_name):
         torch.library.opcheck(op.overload, op.flatten(*args))
 
 
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+def test_eager_dense_path_equals_the_registered_op(backend_name):
+    """An eager call on dense logits runs the stream kernels through its own autograd node
+    (``ops.statistics.local``); every statistic and the logits' gradient (upstream gradients that are not 1, one per
+    differentiable statistic) equal the registered op's through the dispatcher, and a second derivative through it
+    is the error naming kltriton."""
+    from kltriton.ops import statistics as statistics_ops
+
+    usable, why = dispatch.availability(backend_name)
+    if not usable:
+        pytest.skip(why)
+    for op, args in op_samples(backend_name):
+        if op is not statistics_op:
+            continue
+        policy, ref, target, temperature, request = args[:5]
+
+        def run(eager):
+            x = policy.x.detach().clone().requires_grad_()
+            side = Side(x, None, None, None, None)
+            if eager:
+                stats = statistics_ops.local(side, ref, target, temperature, request, 0, backend_name)
+            else:
+                flat = statistics_op.flatten(side, ref, target, temperature, request, 0, True, backend_name)
+                stats = statistics.StreamStats(*statistics_op.overload(*flat)[:len(statistics.NAMES)])
+            names = [n for n in statistics.DIFFERENTIABLE if statistics.present(request, n)]
+            gen = torch.Generator().manual_seed(len(names))
+            total = sum((getattr(stats, n) * torch.randn(target.shape, generator=gen)).nansum() for n in names)
+            grad, = torch.autograd.grad(total, x)
+            return stats, grad, type(stats.logp.grad_fn).__name__
+
+        (eager_stats, eager_grad, node), (op_stats, op_grad, _) = run(True), run(False)
+        assert node == "_DenseStatisticsBackward"
+        for name in statistics.NAMES:
+            torch.testing.assert_close(getattr(eager_stats, name), getattr(op_stats, name), equal_nan=True,
+                                       msg=name)
+        torch.testing.assert_close(eager_grad, op_grad)
+    x = torch.randn(2, 3, 11, requires_grad=True)
+    logp = kltriton.token_logprobs(x, torch.randint(0, 11, (2, 3)), backend=backend_name)
+    grad, = torch.autograd.grad(logp.sum() * 2, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="kltriton: kltriton::statistics has no second derivative"):
+        grad.pow(2).sum().backward()
+
+
 def loss_fn(logits, ref, ids, mask, temperature, coef):
     lp = kltriton.token_logprobs(logits, ids, mask=mask, temperature=temperature)
     kl = kltriton.token_kl(logits, ref, ids, estimator="k3", mask=mask, temperature=temperature)
