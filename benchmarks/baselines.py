@@ -40,13 +40,21 @@ def trl_logprobs(x, labels):
     return torch.stack(rows).float()
 
 
-def installed_trl_logprobs():
-    """The installed ``trl``'s own ``selective_log_softmax`` (a fused kernel in recent TRL), or
-    ``Unavailable`` when trl is not importable."""
+def installed_trl_function(name: str):
+    """The installed ``trl``'s own ``trl.trainer.utils.<name>`` (a fused Triton kernel on a GPU in recent TRL), or
+    ``Unavailable`` when trl is not importable or has no such function."""
     try:
-        from trl.trainer.utils import selective_log_softmax
+        from trl.trainer import utils
     except ImportError as err:
         raise Unavailable(f"trl not installed: {err}") from None
+    if not hasattr(utils, name):
+        raise Unavailable(f"the installed trl has no trl.trainer.utils.{name}")
+    return getattr(utils, name)
+
+
+def installed_trl_logprobs():
+    """The installed ``trl``'s own ``selective_log_softmax`` as fp32 log-probs (``installed_trl_function``)."""
+    selective_log_softmax = installed_trl_function("selective_log_softmax")
     return lambda x, labels: selective_log_softmax(x, labels).float()
 
 

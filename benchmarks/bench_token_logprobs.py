@@ -1,9 +1,12 @@
 """Benchmark ``kltriton.token_logprobs`` against the eager, torchrl, torch.compile, TRL, flash-attn
-and Liger ways of getting the log-prob of each label.
+and Liger ways of getting the log-prob of each label; and with the entropy (``*_entropy``: what TRL's GRPO and RLOO
+ask of their logits, against TRL's in-package ``selective_log_softmax_and_entropy``; the backward through both).
 
 Run alone: ``python -m benchmarks.bench_token_logprobs --device cpu --grid small``.
 """
 import sys
+
+import torch
 
 import kltriton
 from benchmarks import baselines
@@ -32,6 +35,37 @@ def _installed_trl(inp):
     return lambda x: logprobs(x, inp.labels)
 
 
+def _kltriton_entropy(backend, device):
+    def factory(inp):
+        baselines.check_backend(backend, device)
+
+        def logp_plus_entropy(x):
+            logp, entropy = kltriton.token_logprobs(x, inp.labels, mask=inp.mask, return_entropy=True,
+                                                    backend=backend)
+            return logp + entropy
+        return logp_plus_entropy
+    return factory
+
+
+def _eager_entropy(inp):
+    def logp_plus_entropy(x):
+        logp_all = torch.log_softmax(x.float(), -1)
+        logp = logp_all.gather(-1, inp.labels[..., None]).squeeze(-1)
+        return (logp - (logp_all.exp() * logp_all).sum(-1)).masked_fill(~inp.mask, 0.0)
+    return logp_plus_entropy
+
+
+def _installed_trl_entropy(inp):
+    """TRL's ``selective_log_softmax_and_entropy`` (its Triton kernel on a GPU, its PyTorch code elsewhere) with the
+    mask as its ``row_mask`` (zero where not scored, as kltriton's)."""
+    function = baselines.installed_trl_function("selective_log_softmax_and_entropy")
+
+    def logp_plus_entropy(x):
+        logp, entropy = function(x, inp.labels, row_mask=inp.mask)
+        return logp.float() + entropy.float()
+    return logp_plus_entropy
+
+
 def methods(device):
     """``name -> (kind, factory)``; Liger last: it writes its gradient into the logits buffer."""
     compiled = baselines.compiled(baselines.eager_logprobs)
@@ -44,6 +78,10 @@ def methods(device):
         "compile": ("baseline", lambda inp: lambda x: compiled(x, inp.labels)),
         "trl": ("baseline", lambda inp: lambda x: baselines.trl_logprobs(x, inp.labels)),
         "trl_installed": ("baseline", _installed_trl),
+        "triton_entropy": ("kltriton", _kltriton_entropy("triton", device)),
+        "cpp_entropy": ("kltriton", _kltriton_entropy("cpp", device)),
+        "eager_entropy": ("baseline", _eager_entropy),
+        "trl_installed_entropy": ("baseline", _installed_trl_entropy),
         "flash_attn": ("baseline", _library("flash_attn", device)),
         "liger": ("baseline", _library("liger", device)),
     }
