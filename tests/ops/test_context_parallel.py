@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, raises_with, record, value_atol
+from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, exit_rank, raises_with, record, value_atol
 
 B, T, V, N, H = 3, 11, 67, 17, 16
 SPLITS = {2: (7, 4), 3: (3, 5, 3)}        # T = 11 over the ranks, uneven
@@ -516,6 +516,7 @@ def _worker(rank, world, init_file, report_dir, backend):
                 record(report, f"{key}-{str(dtype)[6:]}", run, world, rank, group, dtype, name)
     finally:
         close_rank(report_dir, rank, report)
+    exit_rank()  # every case ran
 
 
 _REPORTS = {}

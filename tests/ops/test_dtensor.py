@@ -24,7 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, close_rank, leave_world, raises_with, record, spawned_backends, value_atol
+from helpers import (
+    MIXED_GRAD_RTOL, assert_close, close_rank, exit_rank, leave_world, raises_with, record, spawned_backends,
+    value_atol)
 
 VOCAB = 1001
 
@@ -312,6 +314,7 @@ def _worker(rank, world, init_file, report_dir, backends, meshes):
                         record(report, f"{name}-{shape}-{backend}-{str(dtype)[6:]}", case, mesh, backend, dtype)
     finally:
         close_rank(report_dir, rank, report)
+    exit_rank()  # every case ran
 
 
 MESHES = ([2], [1, 2], [2, 1])

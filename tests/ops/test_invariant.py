@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kltriton
-from helpers import MIXED_GRAD_RTOL, assert_close, awkward_logits, close_rank, grad_tols, random_labels, record, spawned_backends, value_atol
+from helpers import (
+    MIXED_GRAD_RTOL, assert_close, awkward_logits, close_rank, exit_rank, grad_tols, random_labels, record,
+    spawned_backends, value_atol)
 from kltriton import dispatch
 from kltriton.kernels.constants import ENTROPY
 from kltriton.kernels.linear import fixed
@@ -468,6 +470,7 @@ def _worker(rank, world, init_file, report_dir, backends):
                     record(report, f"{name}-{backend}-{str(dtype)[6:]}", case, shard, backend, dtype)
     finally:
         close_rank(report_dir, rank, report)
+    exit_rank()  # every case ran
 
 
 @pytest.fixture(scope="module")

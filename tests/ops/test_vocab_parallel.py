@@ -22,7 +22,9 @@ import torch.multiprocessing as mp
 
 import kltriton
 from kltriton import dispatch
-from helpers import MIXED_GRAD_RTOL, STORE_RTOL, assert_close, awkward_logits, close_rank, leave_world, record, spawned_backends, value_atol
+from helpers import (
+    MIXED_GRAD_RTOL, STORE_RTOL, assert_close, awkward_logits, close_rank, exit_rank, leave_world, record,
+    spawned_backends, value_atol)
 
 SHARDS = {2: (300, 207), 3: (400, 300, 301)}  # V = 507 and V = 1001, uneven
 DTYPES = (torch.float32, torch.bfloat16)
@@ -433,6 +435,7 @@ def _worker(rank, world, init_file, report_dir, backends, names):
                     record(report, f"{name}-{backend}-{str(dtype)[6:]}", case, shard, backend, dtype)
     finally:
         close_rank(report_dir, rank, report)
+    exit_rank()  # every case ran
 
 
 def _spawn(world, names, backends):
