@@ -16,6 +16,13 @@ def eager_logprobs(x, labels):
     return torch.log_softmax(x.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
 
 
+def eager_logprobs_plus_entropy(x, labels):
+    """The eager form with the entropy, summed so that a backward goes through both: one fp32 ``[N, V]``
+    log-softmax, the gather and ``-sum(p log p)``."""
+    logp_all = torch.log_softmax(x.float(), -1)
+    return logp_all.gather(-1, labels[..., None]).squeeze(-1) - (logp_all.exp() * logp_all).sum(-1)
+
+
 def compiled(fn):
     """``torch.compile(fn)`` without buffer donation, so the ``backward`` mode can replay the
     compiled backward with ``retain_graph=True`` (donated buffers forbid that)."""

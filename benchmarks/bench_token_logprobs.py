@@ -6,8 +6,6 @@ Run alone: ``python -m benchmarks.bench_token_logprobs --device cpu --grid small
 """
 import sys
 
-import torch
-
 import kltriton
 from benchmarks import baselines
 
@@ -48,11 +46,7 @@ def _kltriton_entropy(backend, device):
 
 
 def _eager_entropy(inp):
-    def logp_plus_entropy(x):
-        logp_all = torch.log_softmax(x.float(), -1)
-        logp = logp_all.gather(-1, inp.labels[..., None]).squeeze(-1)
-        return (logp - (logp_all.exp() * logp_all).sum(-1)).masked_fill(~inp.mask, 0.0)
-    return logp_plus_entropy
+    return lambda x: baselines.eager_logprobs_plus_entropy(x, inp.labels).masked_fill(~inp.mask, 0.0)
 
 
 def _installed_trl_entropy(inp):
