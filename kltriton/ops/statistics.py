@@ -9,7 +9,6 @@ its hidden states, weight and bias. ``labels_here``: every scored target is a la
 vocab shard, where a target ``>= V`` is a label another shard holds).
 """
 import functools
-from types import SimpleNamespace
 
 import torch
 
@@ -143,21 +142,22 @@ def _present(grads, saved) -> dict:
             if g is not None and name in table.DIFFERENTIABLE and getattr(saved, name).shape == saved.lse.shape}
 
 
-def _upstream(grads, saved) -> Upstream:
-    """The ``Upstream`` of the kernels from ``_present`` gradients."""
-    entropy, full_kl = grads.get("entropy"), grads.get("full_kl")
-    return Upstream(grads.get("logp"), entropy, full_kl, grads.get("forward_kl"),
-                    None if entropy is None else saved.entropy, None if full_kl is None else saved.full_kl)
+def _upstream(grads, entropy, full_kl) -> Upstream:
+    """The ``Upstream`` of the kernels from ``_present`` gradients and the forward's ``entropy`` and ``full_kl``."""
+    d_entropy, d_full_kl = grads.get("entropy"), grads.get("full_kl")
+    return Upstream(grads.get("logp"), d_entropy, d_full_kl, grads.get("forward_kl"),
+                    None if d_entropy is None else entropy, None if d_full_kl is None else full_kl)
 
 
 def _backward(saved, grads):
     needs_grad = saved.needs_grad["policy"][:3]
     policy, ref = saved.policy, saved.ref
     grads = _present(grads, saved)
-    upstream = _upstream(grads, saved)
+    upstream = _upstream(grads, saved.entropy, saved.full_kl)
     if family(policy, ref) == "stream":
-        return {"policy": (_dense_gradient(policy.x, None if ref is None else ref.x, saved.target, saved.temperature, saved.lse,
-                                           saved.ref_lse, upstream, saved.backend), None, None)}
+        grad = _dense_gradient(policy.x, None if ref is None else ref.x, saved.target, saved.temperature, saved.lse,
+                               saved.ref_lse, upstream, saved.backend)
+        return {"policy": (grad, None, None)}
     if saved.tile.numel():  # one tile, kept by the forward: the gradient is written over it
         # Through the dispatcher (torch.compile, opcheck) the tile is an output of the op others may hold (and a saved
         # output written in place cannot be partitioned): write a copy. An eager call's tile is its own.
@@ -211,7 +211,7 @@ class _DenseStatistics(torch.autograd.Function):
     def backward(ctx, *grads):
         logits, ref, target, temperature, entropy, full_kl = ctx.saved_tensors
         given = {name: g for name, g in zip(ctx.names, grads) if g is not None}
-        upstream = _upstream(given, SimpleNamespace(entropy=entropy, full_kl=full_kl))
+        upstream = _upstream(given, entropy, full_kl)
         return (_dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend),
                 None, None, None, None)
 
