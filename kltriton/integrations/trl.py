@@ -34,8 +34,8 @@ head's FSDP2 unit the unsharded weight is the tensor-parallel ``DTensor``, score
   ``[B, T, V]`` logits (``kltriton.integrations.trl_experimental``, which says where TRL's own forward still runs).
 - ``selective_log_softmax``, ``selective_log_softmax_and_entropy`` and ``entropy_from_logits`` (``trl.trainer.utils``),
   which the experimental trainers that still build the ``[B, T, V]`` logits call (TPO, SDPO, SDFT, A2PO; CPO and ORPO
-  where TRL's forward runs): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32 whatever the
-  logits' dtype (TRL's CPU path returns the logits' dtype).
+  where TRL's forward runs): ``kltriton.dropins``, in every TRL module that holds them. Their results are fp32
+  whatever the logits' dtype (TRL's CPU path returns the logits' dtype).
 - ``GRPOTrainer._compute_loss``: the loss is computed from the hidden states by ``kltriton.policy_loss``
   (``policy_loss_arguments``): every loss type x importance-sampling level, the KL term with or without TRL's
   bias correction, ``delta``, the entropy mask and bonus (adaptive too), the off-policy mask and the vLLM

@@ -7,15 +7,15 @@ states instead; installed by ``kltriton.integrations.trl.apply()`` (and undone w
   TRL's left truncation to ``max_length`` and its positions (``prompt_len - 1`` on, or from 0 without a prompt),
   padding included. The policy's log-probs take a gradient; the reference's are scored under TRL's ``no_grad``.
 - ``CPOTrainer.concatenated_forward`` (CPO / SimPO / AlphaPO / IPO, ``trl.experimental.cpo``) and
-  ``ORPOTrainer.concatenated_forward`` (``trl.experimental.orpo``): one ``token_logprobs(..., outputs=("mean_logits",))``
-  over every position of the concatenated chosen + rejected batch gives what the trainers read from the logits: the
-  per-sequence log-prob sums or means (``get_batch_logps``), the NLL loss (TRL's ``CrossEntropyLoss`` mean over the
-  chosen rows: CPO's over the labels, ORPO's over the attended ``input_ids``) and the mean logits. The two ``logits``
-  slots of the returned tuple hold the per-position means over the vocabulary (``[B, T, 1]``, CPO; ``[B, T - 1, 1]``,
-  ORPO), whose ``.mean()`` is TRL's mean of the ``[B, T, V]`` logits (the trainers read them only through
-  ``.detach().mean()``): a subclass that reads the logits themselves needs TRL's forward (``undo()``). ORPO's NLL
-  labels and its log-prob labels are one token per position wherever both are scored (checked each call, one host
-  sync); where they differ the positions are scored twice.
+  ``ORPOTrainer.concatenated_forward`` (``trl.experimental.orpo``): one ``token_logprobs(...,
+  outputs=("mean_logits",))`` over every position of the concatenated chosen + rejected batch gives what the trainers
+  read from the logits: the per-sequence log-prob sums or means (``get_batch_logps``), the NLL loss (TRL's
+  ``CrossEntropyLoss`` mean over the chosen rows: CPO's over the labels, ORPO's over the attended ``input_ids``) and
+  the mean logits. The two ``logits`` slots of the returned tuple hold the per-position means over the vocabulary
+  (``[B, T, 1]``, CPO; ``[B, T - 1, 1]``, ORPO), whose ``.mean()`` is TRL's mean of the ``[B, T, V]`` logits (the
+  trainers read them only through ``.detach().mean()``): a subclass that reads the logits themselves needs TRL's
+  forward (``undo()``). ORPO's NLL labels and its log-prob labels are one token per position wherever both are scored
+  (checked each call, one host sync); where they differ the positions are scored twice.
 
 Each runs inside the (wrapped) model's forward and the LM head's own (``kltriton.heads``), as the fused head does, so
 DDP, FSDP2 and ZeRO-3 gather and reduce the head as in the model's forward. Results are fp32 whatever the model's
