@@ -20,13 +20,6 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
     """The tiny Llama with its LM head's rows tied in pairs (``tie_head_rows``)."""
     path = tmp_path_factory.mktemp("tiny-llama-tied")

@@ -13,14 +13,7 @@ from helpers import CallCounter  # noqa: E402
 from kltriton import dropins  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
 from kltriton.integrations import trl_experimental  # noqa: E402
-from trl_support import PREFERENCES, FullLogitsWatch, assert_logs_close, tiny_llama, tiny_mixtral  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(path)
-    return path
+from trl_support import PREFERENCES, FullLogitsWatch, assert_logs_close, tiny_mixtral  # noqa: E402
 
 
 def _trainer_classes(name):

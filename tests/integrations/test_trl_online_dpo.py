@@ -11,14 +11,7 @@ pytest.importorskip("trl")
 from helpers import CallCounter  # noqa: E402
 from kltriton.integrations import trl as kl_trl  # noqa: E402
 from kltriton.integrations import trl_experimental  # noqa: E402
-from trl_support import FullLogitsWatch, assert_logs_close, tiny_llama, train_online_dpo  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(path)
-    return path
+from trl_support import FullLogitsWatch, assert_logs_close, train_online_dpo  # noqa: E402
 
 
 def _online_dpo_class():
