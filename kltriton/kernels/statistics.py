@@ -18,6 +18,7 @@ Merge notation, per row and piece ``k``: ``lse_k`` the piece's log-sum-exp, ``sh
 reference's). Every merged term is centred on the global value, so no large log-sum-exp cancels against
 another; the sum over ``k`` runs in piece order, so a row never depends on other rows.
 """
+import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -199,8 +200,23 @@ def present(request: int, name: str) -> bool:
 
 
 def empty_stats(n: int, request: int, new: Callable) -> StreamStats:
-    """``StreamStats`` of ``new(n)`` for the statistics ``request`` computes and ``new(0)`` for the others."""
-    return StreamStats(*(new(n if present(request, name) else 0) for name in NAMES))
+    """``StreamStats`` of ``new(n)`` for the statistics ``request`` computes and one ``new(0)`` for all the others
+    (each allocation costs the host a microsecond; a registered op's outputs are made distinct by ``ops._define``)."""
+    absent = new(0)
+    return StreamStats(*(new(n) if here else absent for here in _presence(request)))
+
+
+def from_present(values, request: int, absent: torch.Tensor) -> StreamStats:
+    """``StreamStats`` of ``values``, the statistics ``request`` computes in their order (a C++ kernel returns only
+    those), and ``absent`` for all the others."""
+    values = iter(values)
+    return StreamStats(*(next(values) if here else absent for here in _presence(request)))
+
+
+@functools.lru_cache(maxsize=None)
+def _presence(request: int) -> Tuple[bool, ...]:
+    """``present(request, name)`` of every name, in ``NAMES`` order."""
+    return tuple(present(request, name) for name in NAMES)
 
 
 def mark_pieces(local: dict, holds_label: torch.Tensor, before_label: torch.Tensor) -> dict:

@@ -96,8 +96,9 @@ class Op:
                 params.append(f"{kind} {arg}")
         returns = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(self.outputs)) + ")"
         _LIBRARY.define(f"{name}({', '.join(params)}) -> {returns}")
-        _LIBRARY.impl(name, lambda *flat: launch(self.grouped(flat)), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"kltriton::{name}", lambda *flat: fake(self.grouped(flat)), lib=_LIBRARY)
+        _LIBRARY.impl(name, lambda *flat: _distinct(launch(self.grouped(flat))), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"kltriton::{name}", lambda *flat: _distinct(fake(self.grouped(flat))),
+                                    lib=_LIBRARY)
         self.overload = getattr(torch.ops.kltriton, name).default
 
     def grouped(self, flat) -> SimpleNamespace:
@@ -127,6 +128,21 @@ class Op:
                 del named.outputs  # the node holds ``named``: no reference from it to its own outputs
                 return tuple(outputs) if len(outputs) > 1 else outputs[0]
         return self.launch(named)
+
+
+def _distinct(outputs):
+    """A registered op's outputs with no tensor twice: its schema declares no aliasing, while a launcher returns one
+    empty tensor for every output a call does not compute (``statistics.empty_stats``), which eager calls keep."""
+    if not isinstance(outputs, tuple):
+        return outputs
+    seen = set()
+    distinct = []
+    for output in outputs:
+        if isinstance(output, torch.Tensor):
+            output = output.clone() if id(output) in seen else output
+            seen.add(id(output))
+        distinct.append(output)
+    return tuple(distinct)
 
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
@@ -188,7 +204,7 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
             args.outputs = outs
             args.differentiable = ctx.differentiable = differentiable
             ctx.args, ctx.present = args, [t is not None for t in tensors]
-            ctx.held = [(i, outs[i]) for i in held]
+            ctx.held, ctx.repeated = [(i, outs[i]) for i in held], False
             ctx.save_for_backward(*(t for t in tensors if t is not None), *(outs[i] for i in ctx.tracked))
             ctx.set_materialize_grads(materialize_grads)
             return tuple(outs[i] for i in differentiable)
@@ -210,6 +226,7 @@ def _eager_function(op: Op, save, backward, materialize_grads, grad_outputs):
             needs = ctx.needs_input_grad[1:]
             saved.needs_grad = {first: tuple(needs) if grouped else needs[0]}
             saved.eager = True  # the outputs it saved are its own: the backward may write over them
+            saved.repeated, ctx.repeated = ctx.repeated, True  # a later backward (retain_graph) finds them written
             grad = backward(saved, grads).get(first)
             grad = grad if isinstance(grad, tuple) else (grad,)
             return (None, *grad, *(None,) * (len(ctx.present) - len(grad)))
@@ -236,7 +253,8 @@ def define_op(name, *, inputs, outputs, launch, fake, save=(), backward: Optiona
         save: names of inputs and outputs that ``backward`` reads.
         backward: ``backward(saved, grads) -> {input name: gradient}``; ``saved`` has the ``save`` names as
             attributes, ``needs_grad`` (input name -> bool, a group's: a tuple of bools) and ``eager`` (True in an
-            eager call, whose saved outputs nobody else holds: the backward may write over them), ``grads`` maps output
+            eager call, whose saved outputs nobody else holds: the backward may write over them; ``repeated``: a
+            backward of the same eager call ran before, and wrote over them), ``grads`` maps output
             names to their gradient (None when unused, with ``materialize_grads=False``). Omit it for an op that is
             not differentiable (its outputs never require grad).
         grad_outputs: the names of the outputs that can have a gradient (default: every output), or a function of the

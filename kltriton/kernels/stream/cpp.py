@@ -9,7 +9,7 @@ import torch
 
 from kltriton.kernels import cpp_library
 from kltriton.kernels.row_views import as_rows3d
-from kltriton.kernels.statistics import StreamStats
+from kltriton.kernels.statistics import StreamStats, from_present
 
 
 def _rows3d(tensor):
@@ -18,8 +18,9 @@ def _rows3d(tensor):
 
 def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     cpp_library.load()
-    return StreamStats(*torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target,
-                                                              temperature, int(request)))
+    present = torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target, temperature,
+                                                    int(request))
+    return from_present(present, request, target.new_empty(0, dtype=torch.float32))
 
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:
