@@ -403,9 +403,9 @@ def _measure(row, factory, inputs, mode, device, grid, rounds, first_round) -> l
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
     except Exception as err:  # e.g. torch.compile failing: record it and go on
-        if mode == "backward" and "modified by an inplace operation" in str(err):
+        if mode == "backward" and "a second backward through the same" in str(err):
             row["note"] = ("not applicable: the fused loss writes its gradient in the forward and scales it in place "
-                           "in the backward, so autograd refuses a second backward of one graph")
+                           "in the backward, so it refuses a second backward of one graph")
         else:
             row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
     finally:

@@ -43,3 +43,11 @@ def first_order(name: str):
             return tuple(mark(o) for o in outputs) if isinstance(outputs, tuple) else mark(outputs)
         return wrapper
     return decorate
+
+
+def used_up(name: str) -> RuntimeError:
+    """The error of a second backward through one eager call whose first backward wrote over what its forward saved
+    (a gradient written in the forward, scaled in place; a kept logits tile): ``name`` the op."""
+    return RuntimeError(f"kltriton: a second backward through the same {name} call (retain_graph=True): its first "
+                        f"backward wrote over the gradient its forward saved. Compute the loss again for another "
+                        f"backward.")

@@ -146,8 +146,9 @@ def fused_loss(call: Call, inputs, hyperparameters, loss_type, estimator: str, e
     ``entropy_quantile``: TRL's entropy mask (``threshold`` its quantile, else NaN)."""
     quantile = None if entropy_quantile is None else runtime_scalar(entropy_quantile, call.device)
     name = backend(call, "loss" if call.policy.weight is None else "linear")
-    out = loss_ops.loss(call.policy, call.ref, call.layout.target, call.temperature, inputs, hyperparameters, loss_type, estimator,
-                        entropy_grad, _want(call), with_entropy, quantile, call.tile_elements, name)
+    out = loss_ops.fused(call.policy, call.ref, call.layout.target, call.temperature, inputs, hyperparameters,
+                         loss_type, estimator, entropy_grad, _want(call), with_entropy, quantile, call.tile_elements,
+                         name)
     stats_end = 1 + len(table.NAMES)
     kl, ratio, metrics = out[stats_end + 4:]
     return out[0], StreamStats(*out[1:stats_end]), out[stats_end], LossTerms(out[0], kl, ratio, metrics)

@@ -6,13 +6,17 @@ The backward applies the upstream gradient in place on the saved gradient (``los
 ``[N, V]`` bytes when that gradient is exactly 1 (checked on the device by the kernel). The loss value, the per-token
 KL and ratio and the metrics come from the family's ``terms`` kernel on the rows' statistics, in the same op.
 """
+from types import SimpleNamespace
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from kltriton import dispatch
+from kltriton._autograd import first_order, used_up
 from kltriton.kernels import accumulation_dtype, constants, statistics
 from kltriton.kernels.loss import masked, statistics_request
-from kltriton.ops._define import BOOL, INT, LOSS_INPUTS, MUTABLE, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op
+from kltriton.ops._define import (BOOL, INT, LOSS_INPUTS, MUTABLE, OPTIONAL, SIDE, STR, TENSOR, NEEDS_GRAD, define_op,
+                                  eager)
 from kltriton.ops.statistics import empty_gradients
 
 
@@ -95,6 +99,8 @@ def scaled_gradients(saved, g_loss):
         return {}
     policy, needs_grad = saved.policy, saved.needs_grad["policy"][:3]
     eager = getattr(saved, "eager", False)
+    if getattr(saved, "repeated", False):
+        raise used_up("loss")
     d = tuple(scaled(getattr(saved, name), g_loss, saved.backend, eager) if w else None
               for name, w in zip(("d_x", "d_weight", "d_bias"), needs_grad))
     if policy.weight is None and d[0] is not None:
@@ -113,3 +119,42 @@ loss = define_op(
     fake=_forward_fake, save=("policy", "backend", "d_x", "d_weight", "d_bias"),
     backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False,
     grad_outputs=("loss",))
+
+_D_X = loss.outputs.index("d_x")
+
+
+class _DenseLoss(torch.autograd.Function):
+    """``loss`` of dense logits in an eager call whose logits need the gradient (``fused``): the ``loss`` family's
+    kernels through one plain autograd node, without ``Op``'s generic bookkeeping (``python -m benchmarks host``).
+    The forward puts every output in ``out`` and returns the loss; it holds the logits gradient it wrote (no other
+    reference to it exists), which the backward scales in place by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, args, out):
+        outputs = _forward(args)
+        out.extend(outputs)
+        ctx.d_x, ctx.backend = outputs[_D_X], args.backend
+        ctx.save_for_backward(logits)  # what a second derivative would differentiate (``first_order``)
+        return outputs[0]
+
+    @staticmethod
+    @first_order("kltriton::loss")
+    def backward(ctx, g_loss):
+        if g_loss is None:
+            return None, None, None
+        d_x, ctx.d_x = ctx.d_x, None  # scaled in place below: a second backward (retain_graph) has none to give
+        if d_x is None:
+            raise used_up("policy_loss")
+        dispatch.implementation("loss", ctx.backend).scale_(d_x, g_loss.detach())
+        return d_x.view(ctx.saved_tensors[0].shape), None, None
+
+
+def fused(*args) -> tuple:
+    """The ``loss`` op's outputs for its arguments (in ``loss``'s order); dense logits in an eager call that needs
+    their gradient go through ``_DenseLoss``, anything else through the op (``torch.compile``, fakes, an LM head)."""
+    policy, needs_grad = args[0], args[9]
+    if policy.weight is not None or not needs_grad.x or not eager(args):
+        return loss(*args)
+    out = []
+    value = _DenseLoss.apply(policy.x, SimpleNamespace(**dict(zip(loss.names, args))), out)
+    return (value, *out[1:])

@@ -18,7 +18,7 @@ from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.linear.tiles import one_tile, plan
 from kltriton.kernels.stream import Upstream
-from kltriton._autograd import first_order
+from kltriton._autograd import first_order, used_up
 from kltriton.ops._define import (BASIS, BOOL, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
                                   define_op, eager)
 
@@ -161,6 +161,8 @@ def _backward(saved, grads):
     if saved.tile.numel():  # one tile, kept by the forward: the gradient is written over it
         # Through the dispatcher (torch.compile, opcheck) the tile is an output of the op others may hold (and a saved
         # output written in place cannot be partitioned): write a copy. An eager call's tile is its own.
+        if getattr(saved, "repeated", False):
+            raise used_up("LinearLogits")
         tile = saved.tile if getattr(saved, "eager", False) else saved.tile.clone()
         d = tile_gradient(policy, tile, saved.target, saved.temperature, saved.lse, upstream, NeedsGrad(*needs_grad),
                           saved.backend)

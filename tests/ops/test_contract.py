@@ -175,3 +175,41 @@ def test_double_backward_is_a_clear_error(backend, call):
     (grad,) = torch.autograd.grad(value, x, create_graph=True)
     with pytest.raises(RuntimeError, match="kltriton.*no second derivative"):
         torch.autograd.grad(grad.square().sum(), x)
+
+
+@pytest.mark.parametrize("call", ["policy_loss", "policy_loss_head", "token_divergence", "one_tile_head",
+                                  "token_logprobs"])
+def test_a_second_backward_is_exact_or_refused(backend, call):
+    """``retain_graph=True`` and a second backward through the same call: a call whose forward wrote the gradient
+    (the fused losses: ``policy_loss`` dense or from an LM head, ``token_divergence``) or kept a logits tile (a
+    one-tile ``LinearLogits``) refuses it with an error naming kltriton (the first backward wrote over what was saved:
+    it was silently wrong); every other call gives the same gradient again."""
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    x = torch.randn(2, 3, 11, generator=gen, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 3), generator=gen)
+    h = torch.randn(2, 3, 4, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(11, 4, generator=gen, dtype=dtype)
+    adv = torch.randn(2, generator=gen, dtype=dtype)
+    if call == "policy_loss":
+        value, leaf = kltriton.policy_loss(x, labels, adv, loss_type="grpo", backend=backend).loss, x
+    elif call == "policy_loss_head":
+        value, leaf = kltriton.policy_loss(kltriton.LinearLogits(h, w), labels, adv, backend=backend).loss, h
+    elif call == "token_divergence":
+        teacher = torch.randn(2, 3, 11, generator=gen, dtype=dtype)
+        value, leaf = kltriton.token_divergence(x, teacher, labels, reduction="batchmean", backend=backend), x
+    elif call == "one_tile_head":
+        out = kltriton.token_logprobs(kltriton.LinearLogits(h, w), labels, backend=backend)
+        value, leaf = (out * torch.randn(out.shape, generator=gen, dtype=dtype)).sum(), h
+    else:
+        out = kltriton.token_logprobs(x, labels, backend=backend)
+        value, leaf = (out * torch.randn(out.shape, generator=gen, dtype=dtype)).sum(), x
+    upstream = torch.tensor(1.5, dtype=dtype)
+    (first,) = torch.autograd.grad(value, leaf, upstream, retain_graph=True)
+    first = first.clone()
+    if call == "token_logprobs":
+        (second,) = torch.autograd.grad(value, leaf, upstream)
+        assert torch.equal(first, second)
+    else:
+        with pytest.raises(RuntimeError, match="kltriton: a second backward through the same"):
+            torch.autograd.grad(value, leaf, upstream)
