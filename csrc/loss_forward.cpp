@@ -120,14 +120,15 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
   TORCH_CHECK(with_entropy || !entropy_grad, "kltriton_cpp: an entropy gradient needs the entropy");
   const int fmode = (with_entropy ? kEntropy : 0) | (has_ref ? kRef : 0) | (full ? kFullKl : 0);
   const auto f32 = logits3d.options().dtype(at::kFloat);
-  std::vector<at::Tensor> outs;  // the statistics `fmode` computes, in their order, then the gradient
+  // The statistics, one empty tensor for every one `fmode` does not compute (each distinct tensor returned costs the
+  // Python caller ~0.7 us), then the gradient.
+  const at::Tensor absent = at::empty({0}, f32);
+  std::vector<at::Tensor> outs;
   float* out[kNumStats];
   for (int i = 0; i < kNumStats; ++i) {
-    out[i] = nullptr;
-    if (stat_present(i, fmode)) {
-      outs.push_back(at::empty({N}, f32));
-      out[i] = outs.back().data_ptr<float>();
-    }
+    const bool present = stat_present(i, fmode);
+    outs.push_back(present ? at::empty({N}, f32) : absent);
+    out[i] = present ? outs.back().data_ptr<float>() : nullptr;
   }
   outs.push_back(with_grad ? gradient_buffer(N, V, logits3d.options()) : at::empty({0, V}, logits3d.options()));
   if (N == 0) return outs;

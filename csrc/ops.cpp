@@ -45,6 +45,10 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "int vocab, bool shift, Tensor(a!)? flags) -> Tensor");
   m.def("stream_forward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, int wanted) -> Tensor[]");
   m.def(
+      "stream_forward_labels(Tensor logits3d, Tensor? ref3d, Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, "
+      "Tensor? checked_temperature, int ignore_index, bool shift, Tensor(a!)? flags, Tensor temperature, int wanted) "
+      "-> Tensor[]");
+  m.def(
       "stream_backward(Tensor logits3d, Tensor? ref3d, Tensor target, Tensor temperature, Tensor lse, "
       "Tensor? ref_lse, Tensor?[] basis) -> Tensor");
   m.def(
@@ -103,6 +107,7 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("kl_reward_backward", torch::CppFunction::makeFallthrough());
   m.impl("layout_target", torch::CppFunction::makeFallthrough());
   m.impl("stream_forward", torch::CppFunction::makeFallthrough());
+  m.impl("stream_forward_labels", torch::CppFunction::makeFallthrough());
   m.impl("stream_backward", torch::CppFunction::makeFallthrough());
   m.impl("stream_backward_upstream", torch::CppFunction::makeFallthrough());
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());

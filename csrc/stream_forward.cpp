@@ -3,6 +3,7 @@
 // (the statistics asked for), instantiated for every request the bits allow.
 #include <torch/library.h>
 
+#include "layout.h"
 #include "row_forward.h"
 
 namespace kltriton_cpp {
@@ -48,15 +49,15 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
                 "kltriton_cpp: ref_logits must have the shape of logits");
   }
   const auto f32 = logits3d.options().dtype(at::kFloat);
-  // the statistics `wanted` computes, in their order (each tensor returned costs the Python caller ~0.7 us)
+  // One empty tensor for every statistic `wanted` does not compute: each distinct tensor returned costs the Python
+  // caller ~0.7 us.
+  const at::Tensor absent = at::empty({0}, f32);
   std::vector<at::Tensor> stats;
   float* out[kNumStats];
   for (int i = 0; i < kNumStats; ++i) {
-    out[i] = nullptr;
-    if (stat_present(i, wanted)) {
-      stats.push_back(at::empty({N}, f32));
-      out[i] = stats.back().data_ptr<float>();
-    }
+    const bool present = stat_present(i, wanted);
+    stats.push_back(present ? at::empty({N}, f32) : absent);
+    out[i] = present ? stats.back().data_ptr<float>() : nullptr;
   }
   if (N == 0) return stats;
   const Temperatures temp{temperature.data_ptr<double>(), temperature.numel() == N && N > 1};
@@ -78,8 +79,25 @@ std::vector<at::Tensor> stream_forward(const at::Tensor& logits3d, const std::op
   return stats;
 }
 
+// The target from the label side (layout_target) and the statistics at it, in one call from Python: each call
+// through torch.ops costs the host a few microseconds, more than both kernels at small N. Returns the target, then
+// the statistics as stream_forward.
+std::vector<at::Tensor> stream_forward_labels(const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d,
+                                              const at::Tensor& labels2d, const std::optional<at::Tensor>& mask2d,
+                                              const std::optional<at::Tensor>& cu_seqlens,
+                                              const std::optional<at::Tensor>& checked_temperature,
+                                              int64_t ignore_index, bool shift, const std::optional<at::Tensor>& flags,
+                                              const at::Tensor& temperature, int64_t wanted) {
+  at::Tensor target = layout_target(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index,
+                                    logits3d.size(2), shift, flags);
+  std::vector<at::Tensor> out = stream_forward(logits3d, ref3d, target, temperature, wanted);
+  out.insert(out.begin(), target);
+  return out;
+}
+
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("stream_forward", &kltriton_cpp::stream_forward);
+  m.impl("stream_forward_labels", &kltriton_cpp::stream_forward_labels);
 }

@@ -9,6 +9,8 @@ def as_rows3d(logits: torch.Tensor) -> torch.Tensor:
     stays a view (``A = batch``, ``B = time``). Only a layout needing three or more
     unmergeable leading dims is copied. The vocab dim is made contiguous if it is not.
     """
+    if logits.dim() == 3 and logits.stride(-1) == 1:  # [A, B, V] already, whatever the strides of A and B
+        return logits
     vocab = logits.shape[-1]
     if logits.is_contiguous():
         return logits.view(1, -1, vocab) if logits.numel() else logits.reshape(1, num_rows(logits), vocab)

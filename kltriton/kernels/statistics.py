@@ -206,13 +206,6 @@ def empty_stats(n: int, request: int, new: Callable) -> StreamStats:
     return StreamStats(*(new(n) if here else absent for here in _presence(request)))
 
 
-def from_present(values, request: int, absent: torch.Tensor) -> StreamStats:
-    """``StreamStats`` of ``values``, the statistics ``request`` computes in their order (a C++ kernel returns only
-    those), and ``absent`` for all the others."""
-    values = iter(values)
-    return StreamStats(*(next(values) if here else absent for here in _presence(request)))
-
-
 @functools.lru_cache(maxsize=None)
 def _presence(request: int) -> Tuple[bool, ...]:
     """``present(request, name)`` of every name, in ``NAMES`` order."""

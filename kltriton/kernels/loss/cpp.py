@@ -9,9 +9,9 @@ import torch
 
 from kltriton import estimators
 from kltriton.kernels import cpp_library
-from kltriton.kernels.loss import LossTerms, composed, reference_logp, statistics_request
+from kltriton.kernels.loss import LossTerms, composed, reference_logp
 from kltriton.kernels.row_views import as_rows3d
-from kltriton.kernels.statistics import from_present
+from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.stream import cpp as stream
 
 
@@ -43,8 +43,7 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
         _f32(inputs.w_ent), _f32(inputs.ref_logp), _f64(hyperparameters), loss_type,
         est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),
         bool(with_entropy))
-    request = statistics_request(ref_logits is not None, estimator, with_entropy)
-    return from_present(outs[:-1], request, target.new_empty(0, dtype=torch.float32)), outs[-1]
+    return StreamStats(*outs[:-1]), outs[-1]
 
 
 def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms:

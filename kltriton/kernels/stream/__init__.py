@@ -29,6 +29,12 @@ in ``kltriton.kernels.statistics`` (``StreamStats``). Each module provides:
     ``max_logit`` ``max_v x_v`` (before ``T``; exact). A row of all ``-inf`` logits has ``sum_logits = max_logit =
     -inf`` and NaN for the other two; a NaN or ``+inf`` logit gives NaN for the four.
 
+``forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+temperature, request) -> (target, StreamStats)``
+    ``forward`` at the target the ``layout`` family's ``target`` makes from the label side (its arguments, with
+    ``vocab = logits.shape[-1]``), made in the same call: the C++ backend runs both kernels in one op (a call through
+    ``torch.ops`` costs the host more than both kernels at small ``N``); the others call their two kernels.
+
 ``backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> grad``
     The gradient w.r.t. ``logits`` on the basis of ``constants.GRADIENT_BASIS``:
 

@@ -9,18 +9,28 @@ import torch
 
 from kltriton.kernels import cpp_library
 from kltriton.kernels.row_views import as_rows3d
-from kltriton.kernels.statistics import StreamStats, from_present
+from kltriton.kernels.statistics import StreamStats
 
 
 def _rows3d(tensor):
-    return None if tensor is None else as_rows3d(tensor.detach())
+    """``tensor`` as the kernels' ``[A, B, V]`` rows, not detached: the ops' autograd key falls through, so their
+    outputs never require grad (and their callers run the kernels without grad mode, where a view costs least)."""
+    return None if tensor is None else as_rows3d(tensor)
 
 
 def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     cpp_library.load()
-    present = torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target, temperature,
-                                                    int(request))
-    return from_present(present, request, target.new_empty(0, dtype=torch.float32))
+    return StreamStats(*torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target,
+                                                              temperature, int(request)))
+
+
+def forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+                   temperature, request):
+    cpp_library.load()
+    target, *stats = torch.ops.kltriton_cpp.stream_forward_labels(
+        _rows3d(logits), _rows3d(ref_logits), labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift,
+        flags, temperature, int(request))
+    return target, StreamStats(*stats)
 
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:

@@ -7,6 +7,7 @@ in that precision (float64 results from float64 logits: the oracle for the tests
 import torch
 
 from kltriton.kernels import OUT_OF_RANGE, accumulation_dtype, constants
+from kltriton.kernels.layout import reference as layout
 from kltriton.kernels.row_views import as_rows3d, num_rows
 from kltriton.kernels.statistics import StreamStats, empty_stats, gradient_basis
 
@@ -125,6 +126,14 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
         if value.numel():
             value.masked_fill_(bad, float("nan"))
     return out
+
+
+def forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+                   temperature, request):
+    """``forward`` at the ``layout`` family's target of the label side (the contract in ``kernels.stream``)."""
+    target = layout.target(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, logits.shape[-1], shift,
+                           flags)
+    return target, forward(logits, ref_logits, target, temperature, request)
 
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> torch.Tensor:

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as rows
+from kltriton.kernels.layout import triton as layout
 from kltriton.kernels.row_views import num_rows
 from kltriton.kernels.statistics import StreamStats
 
@@ -212,6 +213,14 @@ def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
         combine = _combine_launch(split, request)
         _stream_combine_kernel[(n,)](*views, *outputs, *temperature_args, **combine.constexprs, **combine.options)
     return stats
+
+
+def forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+                   temperature, request):
+    """``forward`` at the ``layout`` family's target of the label side (the contract in ``kernels.stream``)."""
+    target = layout.target(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, logits.shape[-1], shift,
+                           flags)
+    return target, forward(logits, ref_logits, target, temperature, request)
 
 
 def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis, floor=None) -> torch.Tensor:
