@@ -12,6 +12,7 @@ from kltriton import collectives, dispatch
 from kltriton._values import runtime_scalar
 from kltriton.kernels.layout import reference as layout_reference
 from kltriton.ops import layout as layout_ops
+from kltriton.ops._define import eager
 from kltriton.ops.layout import flag_vector, raise_flagged
 
 _VALIDATE = True  # True, False or "sync"
@@ -98,7 +99,7 @@ def _check_same_leading(name, tensor, shape, device, integer=False, boolean=Fals
                         f"{tensor.dtype}")
     if boolean and (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise TypeError(f"{name} must be a bool or integer tensor (0 = not scored), got {tensor.dtype}")
-    if tuple(tensor.shape) != tuple(shape):
+    if tensor.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)} (the logits' leading "
                          f"shape), got {tuple(tensor.shape)}")
     if tensor.device != device:
@@ -177,26 +178,46 @@ class Layout:
         self.num_seqs = num_seqs      # rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
         self.cu_seqlens = cu_seqlens  # the packed offsets (global under a split), or None
         self.split = split            # this rank's collectives.SequenceSplit, or None
-        self._source = source         # the layout op's arguments and the checks' context (None: target is given)
+        self._source = source         # the layout op's arguments (the last: how to resolve its backend) and the
+        #                               checks' context; None: the target is given
         self._target, self._position, self._seq_index = target, None, None
 
     @property
     def target(self) -> torch.Tensor:
         """``[N]`` int64: label, ``SKIP`` (not scored) or ``OUT_OF_RANGE``."""
         if self._target is None:
-            args, context = self._source
-            self._target = layout_ops.target(*args)
-            _raise_now(context)
+            args = self._launch_args()
+            self._target = layout_ops.launch_target(*args) if eager(args) else layout_ops.target(*args)
+            _raise_now(self._source[1])
         return self._target
+
+    def _launch_args(self) -> tuple:
+        """The layout op's arguments, its backend resolved now: only a launch of it needs the name (a kernel that
+        makes the target with its statistics, ``kernel_source``, runs its own backend's)."""
+        *args, (backend, device_type, float64) = self._source[0]
+        return (*args, dispatch.resolve(backend, "layout", device_type, float64))
+
+    def kernel_source(self) -> tuple:
+        """The label side as the stream family's ``forward_labels`` takes it (``labels2d``, ``mask2d``,
+        ``cu_seqlens``, the temperature to check, ``ignore_index``, ``shift``, the flag vector or None), for a kernel
+        that makes the target with its statistics; then ``made``."""
+        labels2d, mask2d, cu_seqlens, temperature, ignore_index, _, shift, check, _ = self._source[0]
+        return (labels2d, mask2d, cu_seqlens, temperature, ignore_index, shift,
+                flag_vector(labels2d.device) if check else None)
+
+    def made(self, target: torch.Tensor) -> None:
+        """Take the target a kernel made from ``kernel_source``, and raise what its checks found."""
+        self._target = target
+        _raise_now(self._source[1])
 
     def weighted(self, weights) -> torch.Tensor:
         """A loss's per-row inputs (``kltriton.kernels.layout.RowWeights``: ``[5, N]`` fp32 advantages, aggregation
         weights, ``w_pg``, ``w_kl``, ``w_ent``), made with the target in one op: before the target is read."""
         if self._target is not None:
             raise RuntimeError("Layout.weighted: the target is made already; ask for the weights first")
-        args, context = self._source
+        args = self._launch_args()
         self._target, prepared = layout_ops.target_weights(*args[:-1], weights, args[-1])
-        _raise_now(context)
+        _raise_now(self._source[1])
         return prepared
 
     @property
@@ -268,9 +289,8 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
     context = {"device": device, "vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
                "split": split is not None} if check and (_VALIDATE == "sync" or device.type == "cpu") else None
     if split is None and not isinstance(vocab, torch.Tensor):
-        name = dispatch.resolve(backend, "layout", device.type, float64)
         args = (_rows2d(labels), None if mask is None else _rows2d(mask), cu_seqlens, temperature, ignore_index, vocab,
-                bool(shift_labels), check, name)
+                bool(shift_labels), check, (backend, device.type, float64))
         return Layout(shape, num_seqs, cu_seqlens, split, source=(args, context))
     # The reference's ops: under a split (the shift across ranks), or a vocabulary learned on the device (a vocab
     # shard's global size as a tensor, which the layout kernels do not take).

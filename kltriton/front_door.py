@@ -14,7 +14,8 @@ starts with ``enter``, which checks each input once and turns
   the layout reads (the shift across the split, global sequences and positions);
 
 and keeps the user's ``backend`` choice for ``kltriton.route``, which resolves it per kernel family. What is left
-in each public function is its own arithmetic.
+in each public function is its own arithmetic. A plain ``token_logprobs`` call (``route.plain``) starts with
+``enter_plain`` instead: the same checks of its few inputs, without a ``Call``.
 """
 from typing import NamedTuple, Optional
 
@@ -167,6 +168,20 @@ def _split(axis, sequence_group, leading, device) -> Optional[collectives.Sequen
                          f"dimension (mesh dimension {axis.mesh_dim} of {axis.mesh}): pass sequence_group=None with "
                          "DTensors, or that dimension's group (mesh.get_group(dim))")
     return parallel.chunked_split(axis.group, axis.rank, axis.length, device)
+
+
+def enter_plain(logits, labels, *, temperature, ignore_index, mask, cu_seqlens, shift_labels, backend):
+    """``(Layout, temperature)`` of a plain call (``route.plain``: dense logits and the label side as plain tensors,
+    nothing sharded, split or truncated), checked as ``enter`` checks them, without the ``Call`` the rest needs."""
+    check_logits(logits, "logits")
+    parallel.check_no_group()
+    leading, device = logits.shape[:-1], logits.device
+    kernel_temperature = check_temperature(temperature, device, leading)
+    layout = build_layout(leading, logits.shape[-1], device, labels, ignore_index=ignore_index, mask=mask,
+                          cu_seqlens=cu_seqlens, shift_labels=shift_labels,
+                          temperature=kernel_temperature if isinstance(temperature, torch.Tensor) else None,
+                          backend=backend, float64=logits.dtype == torch.float64)
+    return layout, kernel_temperature
 
 
 def enter(logits, labels, *, ref=None, ref_forms=("logits", "logprobs"), names=("logits", "ref"), temperature=1.0,

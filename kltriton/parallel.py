@@ -71,6 +71,19 @@ def _check_tiling(table, vocab_start):
         end = stop
 
 
+def check_no_group() -> None:
+    """A call without a process group in a distributed launch must come after ``init_process_group``: before it,
+    ``dist.group.WORLD`` is None, and a rank holding a vocab shard would score it alone without a word."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    world = launched_world_size()
+    if world > 1:
+        raise ValueError(f"process_group is None in a distributed launch (WORLD_SIZE={world}) before "
+                         "torch.distributed.init_process_group: dist.group.WORLD is None until then, so the call "
+                         "would run on this rank's shard alone. Initialize the process group first (or run "
+                         "without WORLD_SIZE for a single process).")
+
+
 def vocab_shard(size: int, rows: int, device, process_group, vocab_start) -> Optional[VocabShard]:
     """This rank's shard of the vocabulary (``size`` ids, the shard of ``rows`` positions on ``device``), or ``None``
     without a process group.
@@ -83,12 +96,7 @@ def vocab_shard(size: int, rows: int, device, process_group, vocab_start) -> Opt
     if process_group is None:
         if vocab_start is not None:
             raise ValueError("vocab_start is only meaningful with a process_group")
-        world = launched_world_size()
-        if world > 1 and dist.is_available() and not dist.is_initialized():
-            raise ValueError(f"process_group is None in a distributed launch (WORLD_SIZE={world}) before "
-                             "torch.distributed.init_process_group: dist.group.WORLD is None until then, so the call "
-                             "would run on this rank's shard alone. Initialize the process group first (or run "
-                             "without WORLD_SIZE for a single process).")
+        check_no_group()
         return None
     if not dist.is_available() or not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got {type(process_group).__name__}")

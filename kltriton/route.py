@@ -6,10 +6,11 @@ rank's rows (``ops``) or over vocab shards (``parallel``):
 
 | what (the public function)                          | local (``call.shard`` None)     | vocab-sharded                |
 |-----------------------------------------------------|---------------------------------|------------------------------|
+| statistics of a plain call (``plain``: ``token_logprobs``) | ``ops.statistics.dense_labels`` (the target made with them) | (not plain) |
 | statistics (log-probs, entropy, KL; every function) | ``ops.statistics.statistics``   | ``parallel.shard_statistics`` |
 | truncated statistics (``truncation=``, recompute)   | ``ops.truncation.truncated_forward``; an LM head: tiles of rows, each that route (``kernels.truncation.linear``) | ``parallel.shard_truncated`` (the floor: ``sharded_floor``) |
 | truncated statistics (replay)                       | ``kernels.truncation.replay``   | the same, summed over ranks  |
-| the fused policy loss (``policy_loss``)             | ``ops.loss.loss``               | (two-pass)                   |
+| the fused policy loss (``policy_loss``)             | ``ops.loss.fused``              | (two-pass)                   |
 | the JSD's second pass (``token_divergence``)        | ``ops.divergence.jsd``          | ``parallel.shard_jsd``       |
 | the fused divergence loss (``token_divergence``)    | ``ops.divergence.divergence_loss`` | (two-pass)                |
 | a top-k teacher's columns (``token_divergence``)    | ``ops.divergence.columns``      | ``parallel.shard_columns``   |
@@ -56,7 +57,7 @@ from kltriton.ops import divergence as divergence_ops
 from kltriton.ops import loss as loss_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops import truncation as truncation_ops
-from kltriton.ops._define import NeedsGrad
+from kltriton.ops._define import PLAIN_TENSORS, NeedsGrad, eager
 from kltriton import collectives
 
 
@@ -73,6 +74,21 @@ def backend(call: Call, family_name: Optional[str] = None) -> str:
 def _want(call: Call) -> NeedsGrad:
     """Which of the policy's hidden states (or logits), weight and bias get a gradient in a forward that writes it."""
     return NeedsGrad(*(torch.is_grad_enabled() and t is not None and t.requires_grad for t in call.policy[:3]))
+
+
+def plain(logits, labels, mask, cu_seqlens, temperature, *others) -> bool:
+    """Whether a call takes the lean path (``front_door.enter_plain``, then ``plain_statistics``): dense logits, the
+    label side and the temperature as plain tensors (or a python temperature), every other input None (``others``:
+    a reference, groups, a vocab start, a truncation), in an eager call outside the invariant mode. SPEC's "The host
+    floor": at small N the generic path's steps cost more than the kernels."""
+    return (type(logits) in PLAIN_TENSORS and others.count(None) == len(others) and not invariant.enabled()
+            and eager((logits, labels, mask, cu_seqlens, temperature)))
+
+
+def plain_statistics(logits, layout, temperature, request: int, backend) -> StreamStats:
+    """``statistics`` of a plain call (``plain``): the ``stream`` kernels on the logits at the layout's targets."""
+    name = dispatch.resolve(backend, "stream", logits.device.type, logits.dtype == torch.float64)
+    return statistics_ops.dense_labels(logits, layout, temperature, request, name)
 
 
 def statistics(call: Call, request: int) -> StreamStats:

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from kltriton import route
-from kltriton.front_door import enter
+from kltriton.front_door import enter, enter_plain
 from kltriton.kernels import constants, statistics
 
 # The per-token values ``outputs=`` may ask for besides the log-prob (TRL's ``FusedCausalLMOutput`` names).
@@ -97,6 +97,15 @@ def token_logprobs(
         Differentiable w.r.t. ``logits`` (gradient in ``logits.dtype``), or a ``LinearLogits``'
         hidden states, weight and bias.
     """
+    if outputs is None and route.plain(logits, labels, mask, cu_seqlens, temperature, process_group, vocab_start,
+                                       truncation, sequence_group):
+        layout, kernel_temperature = enter_plain(logits, labels, temperature=temperature, ignore_index=ignore_index,
+                                                 mask=mask, cu_seqlens=cu_seqlens, shift_labels=shift_labels,
+                                                 backend=backend)
+        stats = route.plain_statistics(logits, layout, kernel_temperature,
+                                       constants.ENTROPY if return_entropy else 0, backend)
+        logp = stats.logp.view(layout.shape)
+        return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp
     wanted = None if outputs is None else _parse_outputs(outputs, return_entropy)
     call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,

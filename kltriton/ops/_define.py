@@ -146,8 +146,8 @@ def _distinct(outputs):
 
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_SIMPLE = frozenset((*_PLAIN, int, float, bool, str, type(None), torch.dtype))  # plain tensors, the other schema types
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a tensor's type, not a subclass (a DTensor, a fake)
+_SIMPLE = frozenset((*PLAIN_TENSORS, int, float, bool, str, type(None), torch.dtype))  # plain tensors, the other schema types
 
 
 def eager(args) -> bool:

@@ -78,10 +78,16 @@ def check_inputs() -> None:
         raise_flagged(device)
 
 
+def launch_target(labels, mask, cu_seqlens, temperature, ignore_index, vocab, shift, check, backend):
+    """The ``target`` op's launcher, by position: an eager call (``_inputs.Layout``) calls it directly."""
+    flags = flag_vector(labels.device) if check else None
+    return dispatch.implementation("layout", backend).target(labels, mask, cu_seqlens, temperature, ignore_index,
+                                                              vocab, shift, flags)
+
+
 def _launch(args):
-    flags = flag_vector(args.labels.device) if args.check else None
-    return dispatch.implementation("layout", args.backend).target(
-        args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab, args.shift, flags)
+    return launch_target(args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab,
+                         args.shift, args.check, args.backend)
 
 
 def _launch_weights(args):

@@ -194,19 +194,25 @@ class _DenseStatistics(torch.autograd.Function):
     """``statistics`` of dense logits in an eager call that needs a gradient (``local``): the ``stream`` kernels
     through one plain autograd node, without ``Op``'s generic bookkeeping, which costs more than the kernels at small
     ``N`` (``python -m benchmarks host``). The forward returns the differentiable statistics of the request and puts
-    every statistic in ``out``; the statistics it does not return are held, the ones it returns saved (holding a
-    returned output would be a reference cycle through this node)."""
+    every statistic in ``out`` (then the target); the statistics it does not return are held, the ones it returns
+    saved (holding a returned output would be a reference cycle through this node). Without a target it makes it from
+    the label side (``plan``'s ``source``) with the statistics (``forward_labels``)."""
 
     @staticmethod
-    def forward(ctx, logits, ref, target, temperature, plan):
-        request, backend, out = plan  # one argument: each costs the autograd node's apply
-        stats = dispatch.implementation("stream", backend).forward(logits, ref, target, temperature, request)
-        out.append(stats)
-        ctx.names, ctx.backend, ctx.lse, ctx.ref_lse = _differentiable(request), backend, stats.lse, stats.ref_lse
-        kept = [getattr(stats, name) if name in ctx.names else None for name in ("entropy", "full_kl")]
-        ctx.save_for_backward(logits, ref, target, temperature, *kept)
+    def forward(ctx, logits, temperature, plan):
+        ref, target, request, backend, out, source = plan  # one argument: each costs the node's apply a little
+        impl = dispatch.implementation("stream", backend)
+        if target is None:  # made from the label side in the same call (``dense_labels``)
+            target, stats = impl.forward_labels(logits, ref, *source, temperature, request)
+        else:
+            stats = impl.forward(logits, ref, target, temperature, request)
+        out += (stats, target)
+        names = ctx.names = _differentiable(request)
+        ctx.backend, ctx.lse, ctx.ref_lse = backend, stats.lse, stats.ref_lse
+        ctx.save_for_backward(logits, ref, target, temperature, stats.entropy if "entropy" in names else None,
+                              stats.full_kl if "full_kl" in names else None)
         ctx.set_materialize_grads(False)
-        return tuple(getattr(stats, name) for name in ctx.names)
+        return tuple(getattr(stats, name) for name in names)
 
     @staticmethod
     @first_order("kltriton::statistics")
@@ -214,8 +220,7 @@ class _DenseStatistics(torch.autograd.Function):
         logits, ref, target, temperature, entropy, full_kl = ctx.saved_tensors
         given = {name: g for name, g in zip(ctx.names, grads) if g is not None}
         upstream = _upstream(given, entropy, full_kl)
-        return (_dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend),
-                None, None, None, None)
+        return _dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend), None, None
 
 
 def local(policy, ref, target, temperature, request, tile_elements, backend) -> StreamStats:
@@ -225,9 +230,29 @@ def local(policy, ref, target, temperature, request, tile_elements, backend) -> 
     if family(policy, ref) != "stream" or not eager((policy.x, None if ref is None else ref.x, target, temperature)):
         return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True,
                                        backend)[:len(table.NAMES)])
-    ref_x = None if ref is None else ref.x
-    if not (torch.is_grad_enabled() and policy.x.requires_grad):
-        return dispatch.implementation("stream", backend).forward(policy.x, ref_x, target, temperature, request)
+    return dense(policy.x, None if ref is None else ref.x, target, temperature, request, backend)
+
+
+def dense(logits, ref, target, temperature, request, backend) -> StreamStats:
+    """``local`` of dense ``logits`` (and ``ref`` logits, or None) in an eager call: the ``stream`` backend's forward,
+    inside ``_DenseStatistics`` when the logits need a gradient."""
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return dispatch.implementation("stream", backend).forward(logits, ref, target, temperature, request)
     out = []
-    returned = _DenseStatistics.apply(policy.x, ref_x, target, temperature, (request, backend, out))
-    return out[0]._replace(**dict(zip(_differentiable(request), returned)))
+    _DenseStatistics.apply(logits, temperature, (ref, target, request, backend, out, None))
+    return out[0]  # the statistics the node returned are these tensors, now with their gradient function
+
+
+def dense_labels(logits, layout, temperature, request, backend) -> StreamStats:
+    """``dense`` of policy logits alone at the targets of ``layout`` (an ``_inputs.Layout`` whose target is not made
+    yet), made in the same call (the stream family's ``forward_labels``: one op on the C++ backend)."""
+    source = layout.kernel_source()
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        target, stats = dispatch.implementation("stream", backend).forward_labels(logits, None, *source, temperature,
+                                                                                  request)
+    else:
+        out = []
+        _DenseStatistics.apply(logits, temperature, (None, None, request, backend, out, source))
+        stats, target = out
+    layout.made(target)
+    return stats

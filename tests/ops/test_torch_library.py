@@ -92,6 +92,67 @@ def test_eager_dense_path_equals_the_registered_op(backend_name):
         grad.pow(2).sum().backward()
 
 
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+def test_plain_path_equals_the_general_path(backend_name, monkeypatch):
+    """A plain ``token_logprobs`` call (dense logits and the label side as plain tensors: ``route.plain``) takes the
+    lean path, the target made with the statistics (``forward_labels``, one C++ op); its log-probs, entropy and
+    gradient (an upstream gradient that is not 1) equal the general path's (``front_door.enter``, the layout op, then
+    the statistics), and a bad label is the same error. Strided logits, a mask, packed sequences with shifted labels,
+    a per-position temperature, bf16."""
+    from kltriton import route
+
+    usable, why = dispatch.availability(backend_name)
+    if not usable:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float64 if backend_name == "reference" else torch.float32
+    full = torch.randn(3, 6, 37, generator=gen, dtype=dtype) * 4
+    labels = torch.randint(0, 37, (3, 5), generator=gen)
+    labels[0, 1] = -100
+    mask = torch.rand(3, 5, generator=gen) > 0.3
+    packed = torch.randn(9, 37, generator=gen, dtype=dtype)
+    ids = torch.randint(0, 37, (9,), generator=gen)
+    cases = [
+        dict(logits=full[:, :-1], labels=labels, mask=mask, return_entropy=True),  # a strided view, as given
+        dict(logits=full[:, :-1], labels=labels, temperature=0.7 + torch.rand(3, 5, generator=gen, dtype=dtype)),
+        dict(logits=packed, labels=ids, cu_seqlens=torch.tensor([0, 4, 4, 9]), shift_labels=True, temperature=1.3,
+             return_entropy=True),
+    ]
+    if backend_name != "reference":
+        cases.append(dict(logits=full.to(torch.bfloat16), labels=torch.randint(0, 37, (3, 6), generator=gen)))
+
+    plain_route = route.plain
+
+    def run(case, plain):
+        x = case["logits"].detach().clone().requires_grad_()
+        given = {name: value for name, value in case.items() if name != "logits"}
+        assert plain_route(x, given["labels"], given.get("mask"), given.get("cu_seqlens"),
+                           given.get("temperature", 1.0))
+        monkeypatch.setattr(route, "plain", plain_route if plain else lambda *args: False)
+        out = kltriton.token_logprobs(x, **given, backend=backend_name)
+        out = out if isinstance(out, tuple) else (out,)
+        weights = torch.Generator().manual_seed(3)
+        total = sum((value * torch.randn(value.shape, generator=weights, dtype=value.dtype)).sum() for value in out)
+        grad, = torch.autograd.grad(total, x)
+        return out, grad
+
+    for case in cases:
+        (lean, lean_grad), (general, general_grad) = run(case, True), run(case, False)
+        for a, b in zip(lean, general, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(lean_grad, general_grad)
+    bad = labels.clone()
+    bad[1, 2] = 37
+    messages = []
+    for plain in (True, False):
+        monkeypatch.setattr(route, "plain", plain_route if plain else lambda *args: False)
+        with pytest.raises(ValueError, match="labels must lie in") as error:
+            kltriton.token_logprobs(full[:, :-1], bad, backend=backend_name)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+
+
 def loss_fn(logits, ref, ids, mask, temperature, coef):
     lp = kltriton.token_logprobs(logits, ids, mask=mask, temperature=temperature)
     kl = kltriton.token_kl(logits, ref, ids, estimator="k3", mask=mask, temperature=temperature)
