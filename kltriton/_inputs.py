@@ -215,8 +215,10 @@ class Layout:
         weights, ``w_pg``, ``w_kl``, ``w_ent``), made with the target in one op: before the target is read."""
         if self._target is not None:
             raise RuntimeError("Layout.weighted: the target is made already; ask for the weights first")
-        args = self._launch_args()
-        self._target, prepared = layout_ops.target_weights(*args[:-1], weights, args[-1])
+        *given, name = self._launch_args()
+        args = (*given, weights, name)
+        launch = layout_ops.launch_target_weights if eager(args) else layout_ops.target_weights
+        self._target, prepared = launch(*args)
         _raise_now(self._source[1])
         return prepared
 

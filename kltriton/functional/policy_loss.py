@@ -189,7 +189,7 @@ def _checked(name, tensor, call: Call, per_sequence: bool = False):
         raise TypeError(f"{name} must be a floating tensor of shape {expected}")
     if tensor.device != call.device:
         raise ValueError(f"{name} is on {tensor.device} but logits are on {call.device}")
-    if tuple(tensor.shape) == tuple(shape):
+    if tensor.shape == shape:
         return tensor.detach().reshape(-1), False
     if per_sequence and tensor.dim() == 1 and tensor.shape[0] == layout.num_seqs:
         return tensor.detach(), True

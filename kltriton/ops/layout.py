@@ -90,11 +90,16 @@ def _launch(args):
                          args.shift, args.check, args.backend)
 
 
+def launch_target_weights(labels, mask, cu_seqlens, temperature, ignore_index, vocab, shift, check, weights, backend):
+    """The ``target_weights`` op's launcher, by position: an eager call (``_inputs.Layout``) calls it directly."""
+    flags = flag_vector(labels.device) if check else None
+    return dispatch.implementation("layout", backend).target_weights(labels, mask, cu_seqlens, temperature,
+                                                                      ignore_index, vocab, shift, flags, weights)
+
+
 def _launch_weights(args):
-    flags = flag_vector(args.labels.device) if args.check else None
-    return dispatch.implementation("layout", args.backend).target_weights(
-        args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index, args.vocab, args.shift, flags,
-        args.weights)
+    return launch_target_weights(args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index,
+                                 args.vocab, args.shift, args.check, args.weights, args.backend)
 
 
 _INPUTS = (("labels", TENSOR), ("mask", OPTIONAL), ("cu_seqlens", OPTIONAL), ("temperature", OPTIONAL),

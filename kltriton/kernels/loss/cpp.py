@@ -38,7 +38,7 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
     cpp_library.load()
     est = estimators.parse(estimator) if estimator else None
     outs = torch.ops.kltriton_cpp.loss_forward(
-        as_rows3d(logits.detach()), None if ref_logits is None else as_rows3d(ref_logits.detach()), target,
+        stream.rows3d(logits), stream.rows3d(ref_logits), target,
         temperature, _f32(inputs.old_logp), _f32(inputs.advantages), _f32(inputs.w_pg), _f32(inputs.w_kl),
         _f32(inputs.w_ent), _f32(inputs.ref_logp), _f64(hyperparameters), loss_type,
         est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),

@@ -12,15 +12,16 @@ from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
 
 
-def _rows3d(tensor):
-    """``tensor`` as the kernels' ``[A, B, V]`` rows, not detached: the ops' autograd key falls through, so their
-    outputs never require grad (and their callers run the kernels without grad mode, where a view costs least)."""
+def rows3d(tensor):
+    """``tensor`` (or None) as the C++ kernels' ``[A, B, V]`` rows, not detached: the ops' autograd key falls through,
+    so their outputs never require grad (and their callers run the kernels without grad mode, where a view costs
+    least)."""
     return None if tensor is None else as_rows3d(tensor)
 
 
 def forward(logits, ref_logits, target, temperature, request) -> StreamStats:
     cpp_library.load()
-    return StreamStats(*torch.ops.kltriton_cpp.stream_forward(_rows3d(logits), _rows3d(ref_logits), target,
+    return StreamStats(*torch.ops.kltriton_cpp.stream_forward(rows3d(logits), rows3d(ref_logits), target,
                                                               temperature, int(request)))
 
 
@@ -28,7 +29,7 @@ def forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_tem
                    temperature, request):
     cpp_library.load()
     target, *stats = torch.ops.kltriton_cpp.stream_forward_labels(
-        _rows3d(logits), _rows3d(ref_logits), labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift,
+        rows3d(logits), rows3d(ref_logits), labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift,
         flags, temperature, int(request))
     return target, StreamStats(*stats)
 
@@ -37,7 +38,7 @@ def backward(logits, ref_logits, target, temperature, lse, ref_lse, basis) -> to
     cpp_library.load()
     with_ref = basis.reads_ref()
     grad = torch.ops.kltriton_cpp.stream_backward(
-        _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
+        rows3d(logits), rows3d(ref_logits) if with_ref else None, target, temperature, lse,
         ref_lse if with_ref else None, list(basis))
     return grad.view(logits.shape)
 
@@ -46,6 +47,6 @@ def backward_upstream(logits, ref_logits, target, temperature, lse, ref_lse, ups
     cpp_library.load()
     with_ref = upstream.reads_ref()
     grad = torch.ops.kltriton_cpp.stream_backward_upstream(
-        _rows3d(logits), _rows3d(ref_logits) if with_ref else None, target, temperature, lse,
+        rows3d(logits), rows3d(ref_logits) if with_ref else None, target, temperature, lse,
         ref_lse if with_ref else None, list(upstream), out)
     return grad.view(logits.shape)
