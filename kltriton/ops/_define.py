@@ -147,7 +147,8 @@ def _distinct(outputs):
 
 _TRACING_MODES = tuple(getattr(torch._C._TorchDispatchModeKey, key) for key in ("FAKE", "PROXY", "FUNCTIONAL"))
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a tensor's type, not a subclass (a DTensor, a fake)
-_SIMPLE = frozenset((*PLAIN_TENSORS, int, float, bool, str, type(None), torch.dtype))  # plain tensors, the other schema types
+# plain tensors and the other schema types
+_SIMPLE = frozenset((*PLAIN_TENSORS, int, float, bool, str, type(None), torch.dtype))
 
 
 def eager(args) -> bool:

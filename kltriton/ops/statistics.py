@@ -220,7 +220,8 @@ class _DenseStatistics(torch.autograd.Function):
         logits, ref, target, temperature, entropy, full_kl = ctx.saved_tensors
         given = {name: g for name, g in zip(ctx.names, grads) if g is not None}
         upstream = _upstream(given, entropy, full_kl)
-        return _dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend), None, None
+        grad = _dense_gradient(logits, ref, target, temperature, ctx.lse, ctx.ref_lse, upstream, ctx.backend)
+        return grad, None, None
 
 
 def local(policy, ref, target, temperature, request, tile_elements, backend) -> StreamStats:
