@@ -175,6 +175,7 @@ class Layout:
 
     def __init__(self, shape, num_seqs, cu_seqlens=None, split=None, source=None, target=None):
         self.shape = shape            # S, the leading shape of the logits (shape of every output)
+        self.sizes = tuple(shape)     # S as view's arguments (``shaped``)
         self.num_seqs = num_seqs      # rows of [B, T], segments of cu_seqlens, else 1 (over every rank's slice)
         self.cu_seqlens = cu_seqlens  # the packed offsets (global under a split), or None
         self.split = split            # this rank's collectives.SequenceSplit, or None
@@ -196,6 +197,22 @@ class Layout:
         makes the target with its statistics, ``kernel_source``, runs its own backend's)."""
         *args, (backend, device_type, float64) = self._source[0]
         return (*args, dispatch.resolve(backend, "layout", device_type, float64))
+
+    def shaped(self, values: torch.Tensor) -> torch.Tensor:
+        """``[N]`` ``values`` viewed as the leading shape ``S``. The sizes go to ``view`` one by one: a ``torch.Size``
+        argument costs it twice as much (3 us against 1.5 on a tensor with a gradient, on this project's CPU)."""
+        return values.view(*self.sizes) if self.sizes else values.view(())
+
+    @property
+    def pending(self) -> bool:
+        """Whether the target is still to be made from the label side (a kernel may make it with its statistics:
+        ``kernel_source``, then ``made``)."""
+        return self._target is None
+
+    @property
+    def source(self) -> tuple:
+        """The label side's tensors and values as the layout op takes them (for ``ops._define.eager``)."""
+        return self._source[0]
 
     def kernel_source(self) -> tuple:
         """The label side as the stream family's ``forward_labels`` takes it (``labels2d``, ``mask2d``,

@@ -6,7 +6,7 @@ rank's rows (``ops``) or over vocab shards (``parallel``):
 
 | what (the public function)                          | local (``call.shard`` None)     | vocab-sharded                |
 |-----------------------------------------------------|---------------------------------|------------------------------|
-| statistics of a plain call (``plain``: ``token_logprobs``) | ``ops.statistics.dense_labels`` (the target made with them) | (not plain) |
+| statistics of a plain call (``plain``: ``token_logprobs``), or of local dense logits before the target is made | ``ops.statistics.dense_labels`` (the target made with them) | |
 | statistics (log-probs, entropy, KL; every function) | ``ops.statistics.statistics``   | ``parallel.shard_statistics`` |
 | truncated statistics (``truncation=``, recompute)   | ``ops.truncation.truncated_forward``; an LM head: tiles of rows, each that route (``kernels.truncation.linear``) | ``parallel.shard_truncated`` (the floor: ``sharded_floor``) |
 | truncated statistics (replay)                       | ``kernels.truncation.replay``   | the same, summed over ranks  |
@@ -88,7 +88,7 @@ def plain(logits, labels, mask, cu_seqlens, temperature, *others) -> bool:
 def plain_statistics(logits, layout, temperature, request: int, backend) -> StreamStats:
     """``statistics`` of a plain call (``plain``): the ``stream`` kernels on the logits at the layout's targets."""
     name = dispatch.resolve(backend, "stream", logits.device.type, logits.dtype == torch.float64)
-    return statistics_ops.dense_labels(logits, layout, temperature, request, name)
+    return statistics_ops.dense_labels(logits, None, layout, temperature, request, name)
 
 
 def statistics(call: Call, request: int) -> StreamStats:
@@ -101,6 +101,11 @@ def statistics(call: Call, request: int) -> StreamStats:
         return invariant_statistics(call, request)
     if call.truncation is not None:
         return truncated_statistics(call._replace(ref=None), request)
+    ref = None if call.ref is None else call.ref.x
+    if (call.shard is None and family(call) == "stream" and call.layout.pending
+            and eager((call.policy.x, ref, call.temperature, call.layout.source))):
+        # the target not made yet: made with the statistics, one op (``forward_labels``)
+        return statistics_ops.dense_labels(call.policy.x, ref, call.layout, call.temperature, request, backend(call))
     args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)

@@ -139,5 +139,5 @@ def fused_kl_reward(
         sequences = Sequences(layout.seq_index, layout.num_seqs, group=call.sequence_group, position=layout.position)
         reward, kl_per_seq, _ = shape_rewards(kl, layout.target, sequences, coef, shaping.rewards, shaping.scores,
                                               math.inf if score_clip is None else score_clip)
-    shape = layout.shape
-    return KLReward(reward.view(shape), kl.view(shape), logp.view(shape), ref_logp.view(shape), kl_per_seq)
+    shaped = layout.shaped
+    return KLReward(shaped(reward), shaped(kl), shaped(logp), shaped(ref_logp), kl_per_seq)

@@ -379,11 +379,12 @@ def _sequences_of(call: Call) -> Sequences:
     return Sequences(call.layout.seq_index, call.layout.num_seqs, group=call.sequence_group)
 
 
-def _per_token(values, shape):
-    """``[N]`` values as a per-token output: fp32 of the leading shape, no gradient (a view where it is that)."""
+def _per_token(values, layout):
+    """``[N]`` values as a per-token output: fp32 of the layout's leading shape, no gradient (a view where it is
+    that)."""
     if values.requires_grad:
         values = values.detach()
-    return (values if values.dtype == torch.float32 else values.float()).view(shape)
+    return layout.shaped(values if values.dtype == torch.float32 else values.float())
 
 
 def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _Denominators) -> "PolicyLossOutput":
@@ -403,7 +404,7 @@ def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _
     value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
                                             loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
                                             with_entropy=loss.compute_entropy)
-    view = lambda t: _per_token(t, layout.shape)  # noqa: E731
+    view = lambda t: _per_token(t, layout)  # noqa: E731
     zeros = lambda: torch.zeros(layout.shape, dtype=torch.float32, device=call.device)  # noqa: E731
     if call.ref is not None:
         ref_logp = view(stats.ref_logp)
@@ -467,7 +468,7 @@ def _output(call: Call, loss: _Loss, rows: _Rows, result: _Result, aggregations,
     if outside is not None:
         sums["outside_support_frac"] = (outside.float().sum(), (scored | outside).float().sum())
     metrics = weights.metrics(token, scored, entropy, result.importance, sums, given, sequences)
-    view = lambda t: _per_token(t, call.layout.shape)  # noqa: E731
+    view = lambda t: _per_token(t, call.layout)  # noqa: E731
     return PolicyLossOutput(value, view(reported_logp), view(ref_logp), view(token.kl), view(entropy),
                             view(token.ratio), metrics)
 

@@ -35,7 +35,6 @@ def kl_of_call(call: Call, estimator: estimators.Estimator, kl_clamp, shaping=No
     truncation the policy's log-probs are of its truncated distribution and the reference's come from their own pass;
     where the label is outside the policy's kept set (``logp = -inf``) the KL is the estimator's limit: ``-inf`` for k1,
     ``+inf`` for the others."""
-    target = call.layout.target
     if call.truncation is not None and estimator.needs_ref_logits:
         raise ValueError("estimator='full' (the KL over the whole vocabulary) is not defined with a truncation; "
                          "use a per-token estimator")
@@ -46,6 +45,7 @@ def kl_of_call(call: Call, estimator: estimators.Estimator, kl_clamp, shaping=No
         stats = route.statistics(call, statistics.request())
         ref_logp = route.reference_statistics(call, statistics.request()).logp if call.ref is not None else None
     given = ref_logp is None
+    target = call.layout.target  # read after the statistics, which may have made it (``route.statistics``)
     out = epilogue_ops.kl_reward(KlValues(stats.logp, stats.full_kl if estimator.needs_ref_logits else None),
                                  call.ref_logprobs if given else ref_logp, given, target, rows_of(call),
                                  estimator.name, math.inf if kl_clamp is None else kl_clamp, shaping,
@@ -117,5 +117,5 @@ def token_kl(
                  vocab_start=vocab_start, truncation=truncation, sequence_group=sequence_group)
     estimator = estimators.parse(estimator, ref_logits=call.ref is not None)
     out, logp, ref_logp = kl_of_call(call, estimator, estimators.check_kl_clamp(kl_clamp))
-    shape = call.layout.shape
-    return KLOutput(out.kl.view(shape), logp.view(shape), ref_logp.view(shape))
+    shaped = call.layout.shaped
+    return KLOutput(shaped(out.kl), shaped(logp), shaped(ref_logp))

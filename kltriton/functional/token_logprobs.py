@@ -104,8 +104,8 @@ def token_logprobs(
                                                  backend=backend)
         stats = route.plain_statistics(logits, layout, kernel_temperature,
                                        constants.ENTROPY if return_entropy else 0, backend)
-        logp = stats.logp.view(layout.shape)
-        return (logp, stats.entropy.view(layout.shape)) if return_entropy else logp
+        logp = layout.shaped(stats.logp)
+        return (logp, layout.shaped(stats.entropy)) if return_entropy else logp
     wanted = None if outputs is None else _parse_outputs(outputs, return_entropy)
     call = enter(logits, labels, temperature=temperature, ignore_index=ignore_index, mask=mask,
                  cu_seqlens=cu_seqlens, shift_labels=shift_labels, backend=backend, process_group=process_group,
@@ -116,9 +116,9 @@ def token_logprobs(
         request = statistics.request(entropy="entropy" in wanted, head=bool(wanted & set(HEAD_OUTPUTS)))
     stats = route.statistics(call, request)
     shape = call.layout.shape
-    logp = stats.logp.view(shape)
+    logp = call.layout.shaped(stats.logp)
     if wanted is None:
-        return (logp, stats.entropy.view(shape)) if return_entropy else logp
+        return (logp, call.layout.shaped(stats.entropy)) if return_entropy else logp
     values = {name: getattr(stats, name).view(shape) for name in wanted if name != "mean_logits"}
     if "is_top1" in values:
         values["is_top1"] = values["is_top1"] == 1  # NaN (no distribution, or a label out of range): False

@@ -133,7 +133,7 @@ class _DenseLoss(torch.autograd.Function):
     def forward(ctx, logits, args, out):
         outputs = _forward(args)
         out.extend(outputs)
-        ctx.d_x, ctx.backend = outputs[_D_X], args.backend
+        ctx.d_x, ctx.backend, ctx.sizes = outputs[_D_X], args.backend, tuple(logits.shape)
         ctx.save_for_backward(logits)  # what a second derivative would differentiate (``first_order``)
         return outputs[0]
 
@@ -146,7 +146,7 @@ class _DenseLoss(torch.autograd.Function):
         if d_x is None:
             raise used_up("policy_loss")
         dispatch.implementation("loss", ctx.backend).scale_(d_x, g_loss.detach())
-        return d_x.view(ctx.saved_tensors[0].shape), None, None
+        return d_x.view(*ctx.sizes), None, None  # the sizes one by one: a torch.Size costs view twice as much
 
 
 def fused(*args) -> tuple:

@@ -244,16 +244,16 @@ def dense(logits, ref, target, temperature, request, backend) -> StreamStats:
     return out[0]  # the statistics the node returned are these tensors, now with their gradient function
 
 
-def dense_labels(logits, layout, temperature, request, backend) -> StreamStats:
-    """``dense`` of policy logits alone at the targets of ``layout`` (an ``_inputs.Layout`` whose target is not made
-    yet), made in the same call (the stream family's ``forward_labels``: one op on the C++ backend)."""
+def dense_labels(logits, ref, layout, temperature, request, backend) -> StreamStats:
+    """``dense`` at the targets of ``layout`` (an ``_inputs.Layout`` whose target is not made yet, ``pending``), made
+    in the same call (the stream family's ``forward_labels``: one op on the C++ backend)."""
     source = layout.kernel_source()
     if not (torch.is_grad_enabled() and logits.requires_grad):
-        target, stats = dispatch.implementation("stream", backend).forward_labels(logits, None, *source, temperature,
+        target, stats = dispatch.implementation("stream", backend).forward_labels(logits, ref, *source, temperature,
                                                                                   request)
     else:
         out = []
-        _DenseStatistics.apply(logits, temperature, (None, None, request, backend, out, source))
+        _DenseStatistics.apply(logits, temperature, (ref, None, request, backend, out, source))
         stats, target = out
     layout.made(target)
     return stats

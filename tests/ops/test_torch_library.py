@@ -153,6 +153,41 @@ def test_plain_path_equals_the_general_path(backend_name, monkeypatch):
     assert messages[0] == messages[1]
 
 
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+def test_statistics_made_with_the_target_equal_the_layout_op_first(backend_name, monkeypatch):
+    """``route.statistics`` on local dense logits whose target is not made yet makes it with the statistics
+    (``dense_labels``, one op on the C++ backend): ``token_kl`` with reference logits in another dtype and
+    ``fused_kl_reward`` equal the path that runs the layout op first (values and the logits' gradient)."""
+    from kltriton._inputs import Layout
+
+    usable, why = dispatch.availability(backend_name)
+    if not usable:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float64 if backend_name == "reference" else torch.float32
+    logits = torch.randn(2, 7, 41, generator=gen, dtype=dtype) * 3
+    ref = torch.randn(2, 7, 41, generator=gen, dtype=dtype if backend_name == "reference" else torch.bfloat16)
+    labels = torch.randint(0, 41, (2, 7), generator=gen)
+    mask = torch.rand(2, 7, generator=gen) > 0.3
+    upstream = torch.randn(2, 7, generator=gen, dtype=torch.float32)
+
+    def run(first):
+        if first:
+            monkeypatch.setattr(Layout, "pending", property(lambda self: False))
+        x = logits.clone().requires_grad_()
+        kl = kltriton.token_kl(x, ref, labels, estimator="k3", mask=mask, shift_labels=True, backend=backend_name)
+        reward = kltriton.fused_kl_reward(x, ref, labels, coef=0.1, mask=mask, backend=backend_name)
+        grad, = torch.autograd.grad((kl.kl * upstream).sum() + reward.kl_per_seq.sum(), x)
+        monkeypatch.undo()
+        return (kl.kl, kl.logprobs, kl.ref_logprobs, reward.reward, reward.kl_per_seq), grad
+
+    (made, made_grad), (first, first_grad) = run(False), run(True)
+    for a, b in zip(made, first, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(made_grad, first_grad)
+
+
 def loss_fn(logits, ref, ids, mask, temperature, coef):
     lp = kltriton.token_logprobs(logits, ids, mask=mask, temperature=temperature)
     kl = kltriton.token_kl(logits, ref, ids, estimator="k3", mask=mask, temperature=temperature)
