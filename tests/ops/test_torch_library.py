@@ -93,6 +93,15 @@ def test_eager_dense_path_equals_the_registered_op(backend_name):
 
 
 
+def _backend_inputs(backend_name, seed):
+    """``(generator, dtype)`` of a test on ``backend_name`` (float64 on the reference backend, else float32); skips
+    where the backend does not run."""
+    usable, why = dispatch.availability(backend_name)
+    if not usable:
+        pytest.skip(why)
+    return torch.Generator().manual_seed(seed), torch.float64 if backend_name == "reference" else torch.float32
+
+
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
 def test_plain_path_equals_the_general_path(backend_name, monkeypatch):
     """A plain ``token_logprobs`` call (dense logits and the label side as plain tensors: ``route.plain``) takes the
@@ -102,11 +111,7 @@ def test_plain_path_equals_the_general_path(backend_name, monkeypatch):
     a per-position temperature, bf16."""
     from kltriton import route
 
-    usable, why = dispatch.availability(backend_name)
-    if not usable:
-        pytest.skip(why)
-    gen = torch.Generator().manual_seed(11)
-    dtype = torch.float64 if backend_name == "reference" else torch.float32
+    gen, dtype = _backend_inputs(backend_name, 11)
     full = torch.randn(3, 6, 37, generator=gen, dtype=dtype) * 4
     labels = torch.randint(0, 37, (3, 5), generator=gen)
     labels[0, 1] = -100
@@ -161,11 +166,7 @@ def test_statistics_made_with_the_target_equal_the_layout_op_first(backend_name,
     ``fused_kl_reward`` equal the path that runs the layout op first (values and the logits' gradient)."""
     from kltriton._inputs import Layout
 
-    usable, why = dispatch.availability(backend_name)
-    if not usable:
-        pytest.skip(why)
-    gen = torch.Generator().manual_seed(12)
-    dtype = torch.float64 if backend_name == "reference" else torch.float32
+    gen, dtype = _backend_inputs(backend_name, 12)
     logits = torch.randn(2, 7, 41, generator=gen, dtype=dtype) * 3
     ref = torch.randn(2, 7, 41, generator=gen, dtype=dtype if backend_name == "reference" else torch.bfloat16)
     labels = torch.randint(0, 41, (2, 7), generator=gen)
