@@ -120,7 +120,7 @@ loss = define_op(
     backward=lambda saved, grads: scaled_gradients(saved, grads["loss"]), materialize_grads=False,
     grad_outputs=("loss",))
 
-_D_X = loss.outputs.index("d_x")
+_D_X, _NEEDS_GRAD = loss.outputs.index("d_x"), loss.names.index("needs_grad")
 
 
 class _DenseLoss(torch.autograd.Function):
@@ -152,7 +152,7 @@ class _DenseLoss(torch.autograd.Function):
 def fused(*args) -> tuple:
     """The ``loss`` op's outputs for its arguments (in ``loss``'s order); dense logits in an eager call that needs
     their gradient go through ``_DenseLoss``, anything else through the op (``torch.compile``, fakes, an LM head)."""
-    policy, needs_grad = args[0], args[9]
+    policy, needs_grad = args[0], args[_NEEDS_GRAD]
     if policy.weight is not None or not needs_grad.x or not eager(args):
         return loss(*args)
     out = []
