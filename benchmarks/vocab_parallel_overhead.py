@@ -56,7 +56,7 @@ def _worker(rank, args, init_file):
         wanted = statistics.request(ref=with_ref, full_kl=full)
         record(f"{what}: stream kernel on the shard", lambda: statistics_op(
             Side(logits, None, None, None, None), None if r is None else Side(r, None, None, None, None), target,
-            temperature, wanted, 0, args.backend))
+            temperature, wanted, 0, False, None, args.backend))
         payload = torch.randn(width, args.rows)
         record(f"{what}: all-gather of {width} x fp32 per row", lambda: all_gather(payload, group).sum())
 

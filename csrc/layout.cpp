@@ -241,9 +241,21 @@ void layout_scored_rows(const at::Tensor& rows, const at::Tensor& target, at::Te
   });
 }
 
+// layout_target and, from its targets, layout_scored_rows: the label side of a one-tile projection and its GEMM operand
+// in one op (each call through torch.ops costs the host a few microseconds, more than both kernels at small N).
+at::Tensor layout_target_rows(const at::Tensor& labels2d, const std::optional<at::Tensor>& mask2d,
+                              const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& temperature,
+                              int64_t ignore_index, int64_t vocab, bool shift, const std::optional<at::Tensor>& flags,
+                              const at::Tensor& rows, at::Tensor& out) {
+  at::Tensor target = layout_target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags);
+  layout_scored_rows(rows, target, out);
+  return target;
+}
+
 }  // namespace kltriton_cpp
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
+  m.impl("layout_target_rows", &kltriton_cpp::layout_target_rows);
   m.impl("layout_scored_rows", &kltriton_cpp::layout_scored_rows);
   m.impl("layout_target", &kltriton_cpp::layout_target);
   m.impl("layout_weights", &kltriton_cpp::layout_weights);

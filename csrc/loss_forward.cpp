@@ -4,7 +4,9 @@
 // from memory once and the gradient written once.
 #include <torch/library.h>
 
+#include "layout.h"
 #include "loss_coefficients.h"
+#include "loss_terms.h"
 
 namespace kltriton_cpp {
 namespace {
@@ -152,6 +154,48 @@ std::vector<at::Tensor> loss_forward(const at::Tensor& logits3d, const std::opti
   return outs;
 }
 
+// The label side's target and the loss's row weights (layout_weights), the fused loss at them (loss_forward), then its
+// per-token terms and metrics (loss_terms), in one call from Python: each call through torch.ops costs the host a few
+// microseconds, more than the three kernels at small N. Returns the target, the statistics and the gradient as
+// loss_forward, then the loss, kl, ratio and metrics as loss_terms.
+std::vector<at::Tensor> loss_forward_labels(
+    const at::Tensor& logits3d, const std::optional<at::Tensor>& ref3d, const at::Tensor& labels2d,
+    const std::optional<at::Tensor>& mask2d, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& checked_temperature, int64_t ignore_index, bool shift,
+    const std::optional<at::Tensor>& flags, int64_t aggregation, const std::optional<at::Tensor>& num_tokens,
+    const std::optional<at::Tensor>& num_seqs_agg, const std::optional<at::Tensor>& horizon,
+    const std::optional<at::Tensor>& advantages, bool per_sequence, double kl_coef, double entropy_coef,
+    const at::Tensor& temperature, const std::optional<at::Tensor>& old_logp,
+    const std::optional<at::Tensor>& ref_logp, const at::Tensor& hyperparameters, const std::string& loss_type,
+    const std::string& estimator, bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy) {
+  const std::vector<at::Tensor> made =
+      layout_weights(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, logits3d.size(2), shift, flags,
+                     aggregation, num_tokens, num_seqs_agg, horizon, advantages, per_sequence, kl_coef, entropy_coef);
+  const at::Tensor& target = made[0];
+  const at::Tensor adv = made[1][0], w_agg = made[1][1], w_pg = made[1][2], w_kl = made[1][3], w_ent = made[1][4];
+  // the given per-row log-probs as the kernels read them: flat contiguous float32
+  auto rows = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return t->reshape(-1).to(at::kFloat).contiguous();
+  };
+  const std::optional<at::Tensor> old = rows(old_logp), given_ref = rows(ref_logp);
+  std::vector<at::Tensor> out = loss_forward(logits3d, ref3d, target, temperature, old, adv, w_pg, w_kl, w_ent,
+                                             given_ref, hyperparameters, loss_type, estimator, straight_through,
+                                             entropy_grad, with_grad, with_entropy);
+  const int64_t N = target.numel();
+  auto present = [N](const at::Tensor& t) -> std::optional<at::Tensor> {
+    return t.numel() == N && N > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  const bool ref_given = !ref3d.has_value();
+  const std::vector<at::Tensor> terms =
+      loss_terms(out[kStatLogp], ref_given ? given_ref : std::optional<at::Tensor>(out[kStatRefLogp]), ref_given,
+                 present(out[kStatFullKl]), present(out[kStatEntropy]), target, old, adv, w_pg, w_kl, w_ent, w_agg,
+                 hyperparameters, loss_type, estimator, straight_through);
+  out.insert(out.begin(), target);
+  out.insert(out.end(), terms.begin(), terms.end());
+  return out;
+}
+
 at::Tensor loss_coefficients(const at::Tensor& logp, const at::Tensor& ref_logp,
                              const std::optional<at::Tensor>& old_logp, const at::Tensor& advantages,
                              const at::Tensor& w_pg, const at::Tensor& w_kl, const std::optional<at::Tensor>& full_kl,
@@ -219,6 +263,7 @@ void loss_scale_(at::Tensor& grad, const at::Tensor& upstream) {
 
 TORCH_LIBRARY_IMPL(kltriton_cpp, CPU, m) {
   m.impl("loss_forward", &kltriton_cpp::loss_forward);
+  m.impl("loss_forward_labels", &kltriton_cpp::loss_forward_labels);
   m.impl("loss_coefficients", &kltriton_cpp::loss_coefficients);
   m.impl("loss_accumulate_", &kltriton_cpp::loss_accumulate_);
   m.impl("loss_scale_", &kltriton_cpp::loss_scale_);

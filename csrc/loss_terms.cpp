@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "loss_coefficients.h"
+#include "loss_terms.h"
 
 namespace kltriton_cpp {
 namespace {

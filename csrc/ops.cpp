@@ -25,6 +25,9 @@ std::string build_info() {
 TORCH_LIBRARY(kltriton_cpp, m) {
   m.def("layout_scored_rows(Tensor rows, Tensor target, Tensor(a!) out) -> ()");
   m.def(
+      "layout_target_rows(Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, Tensor? temperature, int ignore_index, "
+      "int vocab, bool shift, Tensor(a!)? flags, Tensor rows, Tensor(b!) out) -> Tensor");
+  m.def(
       "layout_weights(Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, Tensor? temperature, int ignore_index, "
       "int vocab, bool shift, Tensor(a!)? flags, int aggregation, Tensor? num_tokens, Tensor? num_seqs_agg, "
       "Tensor? horizon, Tensor? advantages, bool per_sequence, float kl_coef, float entropy_coef) -> Tensor[]");
@@ -59,6 +62,13 @@ TORCH_LIBRARY(kltriton_cpp, m) {
       "Tensor advantages, Tensor w_pg, Tensor w_kl, Tensor w_ent, Tensor? ref_logp, Tensor hyperparameters, "
       "str loss_type, str estimator, bool straight_through, bool entropy_grad, bool with_grad, bool with_entropy) "
       "-> Tensor[]");
+  m.def(
+      "loss_forward_labels(Tensor logits3d, Tensor? ref3d, Tensor labels2d, Tensor? mask2d, Tensor? cu_seqlens, "
+      "Tensor? checked_temperature, int ignore_index, bool shift, Tensor(a!)? flags, int aggregation, "
+      "Tensor? num_tokens, Tensor? num_seqs_agg, Tensor? horizon, Tensor? advantages, bool per_sequence, "
+      "float kl_coef, float entropy_coef, Tensor temperature, Tensor? old_logp, Tensor? ref_logp, "
+      "Tensor hyperparameters, str loss_type, str estimator, bool straight_through, bool entropy_grad, "
+      "bool with_grad, bool with_entropy) -> Tensor[]");
   m.def(
       "loss_coefficients(Tensor logp, Tensor ref_logp, Tensor? old_logp, Tensor advantages, Tensor w_pg, "
       "Tensor w_kl, Tensor? full_kl, Tensor hyperparameters, str loss_type, str estimator, bool straight_through) "
@@ -101,6 +111,7 @@ TORCH_LIBRARY(kltriton_cpp, m) {
 // autograd key fall through so outputs are plain tensors even when logits require grad.
 TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("layout_scored_rows", torch::CppFunction::makeFallthrough());
+  m.impl("layout_target_rows", torch::CppFunction::makeFallthrough());
   m.impl("layout_weights", torch::CppFunction::makeFallthrough());
   m.impl("loss_terms", torch::CppFunction::makeFallthrough());
   m.impl("kl_reward", torch::CppFunction::makeFallthrough());
@@ -111,6 +122,7 @@ TORCH_LIBRARY_IMPL(kltriton_cpp, Autograd, m) {
   m.impl("stream_backward", torch::CppFunction::makeFallthrough());
   m.impl("stream_backward_upstream", torch::CppFunction::makeFallthrough());
   m.impl("loss_forward", torch::CppFunction::makeFallthrough());
+  m.impl("loss_forward_labels", torch::CppFunction::makeFallthrough());
   m.impl("loss_coefficients", torch::CppFunction::makeFallthrough());
   m.impl("loss_accumulate_", torch::CppFunction::makeFallthrough());
   m.impl("loss_scale_", torch::CppFunction::makeFallthrough());

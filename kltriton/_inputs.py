@@ -239,6 +239,17 @@ class Layout:
         _raise_now(self._source[1])
         return prepared
 
+    def scored_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with the rows of ``rows [N, H]`` at the scored positions (the others, and ``out``'s rows past ``N``,
+        zero: a one-tile projection's GEMM operand), written with the target in one op (the layout family's
+        ``target_rows``), in an eager call before the target is made."""
+        if self._target is not None:
+            raise RuntimeError("Layout.scored_rows: the target is made already; ask for the rows first")
+        *given, name = self._launch_args()
+        self._target, out = layout_ops.launch_target_rows(*given, rows, out, name)
+        _raise_now(self._source[1])
+        return out
+
     @property
     def position(self) -> torch.Tensor:
         """``[N]`` int64: each position's place along its sequence's axis (``T`` of ``[B, T]``, or the packed

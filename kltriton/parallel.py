@@ -208,7 +208,8 @@ def _statistics_forward(local, target, tensors):
     """``statistics`` of (policy, ref) sides: ``tensors`` = the policy's five, the reference's five, temperature."""
     policy, ref, temperature = Side(*tensors[:5]), _side(tensors[5:10]), tensors[10]
     return StreamStats(*statistics_ops.statistics(policy, ref, target, temperature, local.request,
-                                                  local.tile_elements, False, local.backend)[:len(statistics.NAMES)])
+                                                  local.tile_elements, False, None,
+                                                  local.backend)[:len(statistics.NAMES)])
 
 
 def _statistics_backward(local, target, own, tensors, stats, grads, needs_grad):

@@ -8,9 +8,11 @@ rank's rows (``ops``) or over vocab shards (``parallel``):
 |-----------------------------------------------------|---------------------------------|------------------------------|
 | statistics of a plain call (``plain``: ``token_logprobs``), or of local dense logits before the target is made | ``ops.statistics.dense_labels`` (the target made with them) | |
 | statistics (log-probs, entropy, KL; every function) | ``ops.statistics.statistics``   | ``parallel.shard_statistics`` |
+| statistics of an LM head's one tile (``tiles.one_tile``) before the target is made | ``Layout.scored_rows`` (the target and the GEMM operand in one op), then ``ops.statistics.statistics`` | |
 | truncated statistics (``truncation=``, recompute)   | ``ops.truncation.truncated_forward``; an LM head: tiles of rows, each that route (``kernels.truncation.linear``) | ``parallel.shard_truncated`` (the floor: ``sharded_floor``) |
 | truncated statistics (replay)                       | ``kernels.truncation.replay``   | the same, summed over ranks  |
 | the fused policy loss (``policy_loss``)             | ``ops.loss.fused``              | (two-pass)                   |
+| the fused policy loss with its row weights from the label side (``policy_loss``'s common call: ``weighted_loss``) | local dense logits, target not made yet: ``ops.loss.fused_labels`` (the target and the weights made with the loss); else ``Layout.weighted``, then ``ops.loss.fused`` | (two-pass) |
 | the JSD's second pass (``token_divergence``)        | ``ops.divergence.jsd``          | ``parallel.shard_jsd``       |
 | the fused divergence loss (``token_divergence``)    | ``ops.divergence.divergence_loss`` | (two-pass)                |
 | a top-k teacher's columns (``token_divergence``)    | ``ops.divergence.columns``      | ``parallel.shard_columns``   |
@@ -49,8 +51,9 @@ from kltriton.front_door import Call
 from kltriton.kernels import OUT_OF_RANGE, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.divergence import KINDS, composed
-from kltriton.kernels.loss import LossTerms, terms
+from kltriton.kernels.loss import LossInputs, LossTerms, terms
 from kltriton.kernels.statistics import StreamStats
+from kltriton.kernels.linear.tiles import one_tile, one_tile_operand, plan
 from kltriton.kernels.truncation import linear as truncation_linear
 from kltriton.kernels.truncation import replay
 from kltriton.ops import divergence as divergence_ops
@@ -106,10 +109,17 @@ def statistics(call: Call, request: int) -> StreamStats:
             and eager((call.policy.x, ref, call.temperature, call.layout.source))):
         # the target not made yet: made with the statistics, one op (``forward_labels``)
         return statistics_ops.dense_labels(call.policy.x, ref, call.layout, call.temperature, request, backend(call))
+    rows = None
+    if (call.shard is None and call.layout.pending and one_tile(call.policy, call.ref, call.layout.shape.numel(),
+                                                                 call.tile_elements)
+            and eager((call.policy, call.temperature, call.layout.source))):
+        # an LM head's one tile: its GEMM operand made with the target, one op (``Layout.scored_rows``)
+        tile_rows, _ = plan(call.vocab, call.tile_elements)
+        rows = call.layout.scored_rows(*one_tile_operand(call.policy, tile_rows))
     args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
-    return statistics_ops.local(*args)
+    return statistics_ops.local(*args, rows)
 
 
 def check_head(call: Call):
@@ -173,6 +183,25 @@ def fused_loss(call: Call, inputs, hyperparameters, loss_type, estimator: str, e
     stats_end = 1 + len(table.NAMES)
     kl, ratio, metrics = out[stats_end + 4:]
     return out[0], StreamStats(*out[1:stats_end]), out[stats_end], LossTerms(out[0], kl, ratio, metrics)
+
+
+def weighted_loss(call: Call, weights, old_logp, hyperparameters, loss_type, estimator: str, entropy_grad: bool,
+                  with_entropy: bool):
+    """``(loss, StreamStats, LossTerms)`` of ``fused_loss`` with the loss's per-row inputs made from the label side
+    (``weights``: a ``kernels.layout.RowWeights``) with the target, ``old_logp`` and the call's given reference
+    log-probs as they are. Local dense logits in an eager call whose target is not made yet: one call of the loss
+    family's ``forward_labels`` (``ops.loss.fused_labels``); else ``Layout.weighted``, then ``fused_loss``."""
+    layout, logits, ref = call.layout, call.policy.x, None if call.ref is None else call.ref.x
+    if (call.policy.weight is None and call.shard is None and layout.pending
+            and eager((logits, ref, call.temperature, old_logp, call.ref_logprobs, weights, layout.source))):
+        return loss_ops.fused_labels(logits, ref, layout, weights, call.temperature, old_logp, call.ref_logprobs,
+                                     hyperparameters, loss_type, estimator, entropy_grad, with_entropy,
+                                     backend(call, "loss"))
+    advantages, w_agg, w_pg, w_kl, w_ent = layout.weighted(weights).unbind()
+    inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
+    value, stats, _, terms_out = fused_loss(call, inputs, hyperparameters, loss_type, estimator, entropy_grad,
+                                            with_entropy)
+    return value, stats, terms_out
 
 
 def truncated_statistics(call: Call, request: int) -> StreamStats:

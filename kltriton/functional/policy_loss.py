@@ -389,21 +389,19 @@ def _per_token(values, layout):
 
 def _one_pass(call: Call, loss: _Loss, old_logprobs, advantages, denominators: _Denominators) -> "PolicyLossOutput":
     """The fused route of the common call (token-level ratio, one aggregation for every term, no rollout importance
-    sampling, entropy mask or sequence group) as kernels alone: the targets with the rows' inputs (the layout op),
-    the loss with its gradient and its per-token terms and metrics (the loss op: the fused kernel and the ``terms``
-    kernel); no ``[N]`` ops around them."""
+    sampling, entropy mask or sequence group) as kernels alone: the targets with the rows' inputs, the loss with its
+    gradient, its per-token terms and metrics (``route.weighted_loss``: one C++ op for local dense logits); no
+    ``[N]`` ops around them."""
     layout = call.layout
     adv, per_sequence = _checked("advantages", advantages, call, per_sequence=True)
     if adv is None:
         raise TypeError("advantages must be a floating tensor of shape S or [num_seqs]")
     old, _ = _checked("old_logprobs", old_logprobs, call)
-    prepared = layout.weighted(RowWeights(loss.settings.aggregation, *denominators, adv, per_sequence, loss.kl_coef,
-                                          loss.entropy_coef, accumulation_dtype(call.dtype)))
-    adv_rows, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
-    inputs = LossInputs(old, adv_rows, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
-    value, stats, _, out = route.fused_loss(call, inputs, loss.hyperparameters, loss.formula,
+    weights = RowWeights(loss.settings.aggregation, *denominators, adv, per_sequence, loss.kl_coef, loss.entropy_coef,
+                         accumulation_dtype(call.dtype))
+    value, stats, out = route.weighted_loss(call, weights, old, loss.hyperparameters, loss.formula,
                                             loss.estimator.name if loss.estimator else "", loss.entropy_coef != 0.0,
-                                            with_entropy=loss.compute_entropy)
+                                            loss.compute_entropy)
     view = lambda t: _per_token(t, layout)  # noqa: E731
     zeros = lambda: torch.zeros(layout.shape, dtype=torch.float32, device=call.device)  # noqa: E731
     if call.ref is not None:

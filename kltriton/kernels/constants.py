@@ -82,7 +82,7 @@ AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token
 CPP_SOURCES = ("ops.cpp", "layout.cpp", "stream_forward.cpp", "stream_backward.cpp", "loss_forward.cpp", "gradient_buffer.cpp",
                "truncation.cpp", "divergence.cpp", "invariant.cpp", "epilogue.cpp", "loss_terms.cpp")
 CPP_HEADERS = ("common.h", "row_forward.h", "row_backward.h", "loss_coefficients.h", "truncation.h", "row_mixture.h",
-               "invariant.h", "layout.h")
+               "invariant.h", "layout.h", "loss_terms.h")
 
 # Instruction-set flags per ATen CPU capability; a build never uses more than ATen detected.
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")  # in increasing order

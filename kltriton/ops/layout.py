@@ -97,6 +97,13 @@ def launch_target_weights(labels, mask, cu_seqlens, temperature, ignore_index, v
                                                                       ignore_index, vocab, shift, flags, weights)
 
 
+def launch_target_rows(labels, mask, cu_seqlens, temperature, ignore_index, vocab, shift, check, rows, out, backend):
+    """``(target, out)`` of the layout family's ``target_rows``, by position (eager calls only, ``_inputs.Layout``)."""
+    flags = flag_vector(labels.device) if check else None
+    return dispatch.implementation("layout", backend).target_rows(labels, mask, cu_seqlens, temperature, ignore_index,
+                                                                   vocab, shift, flags, rows, out)
+
+
 def _launch_weights(args):
     return launch_target_weights(args.labels, args.mask, args.cu_seqlens, args.temperature, args.ignore_index,
                                  args.vocab, args.shift, args.check, args.weights, args.backend)

@@ -124,18 +124,20 @@ _D_X, _NEEDS_GRAD = loss.outputs.index("d_x"), loss.names.index("needs_grad")
 
 
 class _DenseLoss(torch.autograd.Function):
-    """``loss`` of dense logits in an eager call whose logits need the gradient (``fused``): the ``loss`` family's
-    kernels through one plain autograd node, without ``Op``'s generic bookkeeping (``python -m benchmarks host``).
-    The forward puts every output in ``out`` and returns the loss; it holds the logits gradient it wrote (no other
-    reference to it exists), which the backward scales in place by the upstream gradient."""
+    """The fused loss of dense logits in an eager call whose logits need the gradient (``fused``, ``fused_labels``):
+    the ``loss`` family's kernels through one plain autograd node, without ``Op``'s generic bookkeeping (``python -m
+    benchmarks host``). ``plan``: ``(backend, launch)``; ``launch()`` runs the kernels and returns ``(loss, d_x,
+    outputs)``. The forward puts ``outputs`` in ``out`` and returns the loss; it holds the logits gradient ``d_x`` it
+    wrote (no other reference to it exists), which the backward scales in place by the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, logits, args, out):
-        outputs = _forward(args)
-        out.extend(outputs)
-        ctx.d_x, ctx.backend, ctx.sizes = outputs[_D_X], args.backend, tuple(logits.shape)
+    def forward(ctx, logits, plan, out):
+        ctx.backend, launch = plan
+        value, ctx.d_x, outputs = launch()
+        out.append(outputs)
+        ctx.sizes = tuple(logits.shape)
         ctx.save_for_backward(logits)  # what a second derivative would differentiate (``first_order``)
-        return outputs[0]
+        return value
 
     @staticmethod
     @first_order("kltriton::loss")
@@ -155,6 +157,38 @@ def fused(*args) -> tuple:
     policy, needs_grad = args[0], args[_NEEDS_GRAD]
     if policy.weight is not None or not needs_grad.x or not eager(args):
         return loss(*args)
+    named = SimpleNamespace(**dict(zip(loss.names, args)))
+
+    def launch():
+        outputs = _forward(named)
+        return outputs[0], outputs[_D_X], outputs
+
     out = []
-    value = _DenseLoss.apply(policy.x, SimpleNamespace(**dict(zip(loss.names, args))), out)
-    return (value, *out[1:])
+    value = _DenseLoss.apply(policy.x, (named.backend, launch), out)
+    return (value, *out[0][1:])
+
+
+def fused_labels(logits, ref_logits, layout, weights, temperature, old_logp, ref_logp, hyperparameters, loss_type,
+                 estimator, entropy_grad, with_entropy, backend) -> tuple:
+    """``(loss, StreamStats, LossTerms)`` of the fused loss of dense ``logits`` in an eager call, at the targets of
+    ``layout`` (an ``_inputs.Layout`` whose target is not made yet, ``pending``), made with the loss's per-row inputs
+    (``weights``, a ``kernels.layout.RowWeights``) in the same call: the loss family's ``forward_labels``, one op on
+    the C++ backend. Through ``_DenseLoss`` when the logits need the gradient."""
+    impl = dispatch.implementation("loss", backend)
+    source = layout.kernel_source()
+    with_grad = torch.is_grad_enabled() and logits.requires_grad
+
+    def launch():
+        target, stats, d_x, terms = impl.forward_labels(logits, ref_logits, *source, weights, temperature, old_logp,
+                                                        ref_logp, hyperparameters, loss_type, estimator,
+                                                        entropy_grad, with_grad, with_entropy)
+        return terms.loss, d_x, (target, stats, terms)
+
+    if with_grad:
+        out = []
+        value = _DenseLoss.apply(logits, (backend, launch), out)
+        target, stats, terms = out[0]
+    else:
+        value, _, (target, stats, terms) = launch()
+    layout.made(target)
+    return value, stats, terms

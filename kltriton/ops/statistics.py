@@ -6,7 +6,8 @@ One op per pass, keyed on the sides (``kltriton.kernels.linear.Side``): when bot
 (``kltriton.kernels.statistics``); autograd turns the upstream gradients of its differentiable statistics into the
 gradient basis (``statistics.gradient_basis``) and ``statistics_backward`` takes them to the policy's logits, or to
 its hidden states, weight and bias. ``labels_here``: every scored target is a label of this vocabulary (False on a
-vocab shard, where a target ``>= V`` is a label another shard holds).
+vocab shard, where a target ``>= V`` is a label another shard holds). ``rows``: the one-tile path's GEMM operand when
+it was made with the target (``_inputs.Layout.scored_rows``), else None.
 """
 import functools
 
@@ -38,7 +39,7 @@ def _forward(args):
                               args.request), none)
     if args.labels_here and one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements):
         stats, tile = impl.one_tile_forward(args.policy, args.target, args.temperature, args.request,
-                                            args.tile_elements)
+                                            args.tile_elements, args.rows)
         return (*stats, tile)
     return (*impl.forward(args.policy, args.ref, args.target, args.temperature, args.request, args.tile_elements),
             none)
@@ -182,7 +183,7 @@ def _differentiable(request: int) -> tuple:
 statistics = define_op(
     "statistics",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
-            ("tile_elements", INT), ("labels_here", BOOL), ("backend", STR)),
+            ("tile_elements", INT), ("labels_here", BOOL), ("rows", OPTIONAL), ("backend", STR)),
     outputs=(*table.NAMES, "tile"), launch=_forward, fake=_forward_fake,
     save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES, "tile"),
     backward=_backward,
@@ -224,12 +225,13 @@ class _DenseStatistics(torch.autograd.Function):
         return grad, None, None
 
 
-def local(policy, ref, target, temperature, request, tile_elements, backend) -> StreamStats:
+def local(policy, ref, target, temperature, request, tile_elements, backend, rows=None) -> StreamStats:
     """``StreamStats`` of this rank's rows (every target a label of this vocabulary): the ``statistics`` op, or, for
     dense logits in an eager call (``eager``: no ``torch.compile``, fake or functional tensor), the backend's kernels
-    called directly (``_DenseStatistics`` when the logits need a gradient)."""
+    called directly (``_DenseStatistics`` when the logits need a gradient). ``rows``: the op's (an LM head's one
+    tile)."""
     if family(policy, ref) != "stream" or not eager((policy.x, None if ref is None else ref.x, target, temperature)):
-        return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True,
+        return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True, rows,
                                        backend)[:len(table.NAMES)])
     return dense(policy.x, None if ref is None else ref.x, target, temperature, request, backend)
 

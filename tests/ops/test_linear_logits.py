@@ -222,7 +222,7 @@ def test_per_position_temperature_kernel():
     t = torch.rand(11, dtype=torch.float64) + 0.5
     for tile in (1 << 20, SMALL_TILE):
         stats = statistics_op(Side(h, w, b, None, None), None, target, t, statistics.request(entropy=True), tile, True,
-                              "cpp")
+                              None, "cpp")
         z = oracle_logits(h, w, b)
         labels = target.masked_fill(target < 0, -100)
         want_logp, want_ent, _, _ = oracle(z, labels, t[:, None])
@@ -241,11 +241,17 @@ def op_samples(backend):
                                (Side(rh, rw, None, None, scalar(2.0)), True, True, SMALL_TILE),
                                (Side(rh, rw, None, None, None), False, False, 1 << 20)):
         wanted = statistics.request(entropy=ent, ref=ref is not None, full_kl=kl)
-        yield statistics_op, (Side(h, w, b, scalar(0.5), None), ref, target, scalar(0.9), wanted, tile, True, backend)
+        yield statistics_op, (Side(h, w, b, scalar(0.5), None), ref, target, scalar(0.9), wanted, tile, True, None, backend)
+    # one tile with its GEMM operand made by the layout family (``rows``), as an eager call's route makes it
+    side = Side(h, w, b, None, None)
+    rows, out = tiles.one_tile_operand(side, tiles.plan(V, 1 << 20)[0])
+    rows = dispatch.implementation("layout", backend).scored_rows(rows, target, out)
+    yield statistics_op, (side, None, target, scalar(0.9), statistics.request(entropy=True), 1 << 20, True, rows,
+                          backend)
     policy = Side(h.detach(), w.detach(), b.detach(), None, scalar(3.0))
     ref = Side(rh, rw, None, None, None)
     stats = statistics_op(policy, ref, target, scalar(1.0), statistics.request(entropy=True, ref=True, full_kl=True),
-                          1 << 20, True, backend)
+                          1 << 20, True, None, backend)
     basis = statistics.gradient_basis({"logp": torch.randn(6), "entropy": torch.randn(6), "full_kl": torch.randn(6)},
                                       statistics.StreamStats(*stats[:len(statistics.NAMES)]),
                                       torch.tensor(1.0, dtype=torch.float64))

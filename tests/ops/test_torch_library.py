@@ -27,7 +27,7 @@ def op_samples(backend):
             (None, False, False, 1.0), (None, True, False, 0.7), (ref, False, False, 1.3),
             (ref, True, True, 0.9), (ref, False, True, 1.0)):
         wanted = statistics.request(entropy=with_entropy, ref=ref_logits is not None, full_kl=with_full_kl)
-        yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, True, backend)
+        yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, True, None, backend)
     impl = dispatch.implementation("stream", backend)
     stats = impl.forward(logits.detach(), ref, target, scalar(1.0), statistics.request(entropy=True, ref=True,
                                                                                          full_kl=True))
@@ -71,7 +71,7 @@ def test_eager_dense_path_equals_the_registered_op(backend_name):
             if eager:
                 stats = statistics_ops.local(side, ref, target, temperature, request, 0, backend_name)
             else:
-                flat = statistics_op.flatten(side, ref, target, temperature, request, 0, True, backend_name)
+                flat = statistics_op.flatten(side, ref, target, temperature, request, 0, True, None, backend_name)
                 stats = statistics.StreamStats(*statistics_op.overload(*flat)[:len(statistics.NAMES)])
             names = [n for n in statistics.DIFFERENTIABLE if statistics.present(request, n)]
             gen = torch.Generator().manual_seed(len(names))
@@ -187,6 +187,93 @@ def test_statistics_made_with_the_target_equal_the_layout_op_first(backend_name,
     for a, b in zip(made, first, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(made_grad, first_grad)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+def test_loss_made_with_its_row_weights_equals_the_layout_op_first(backend_name, monkeypatch):
+    """``policy_loss``'s common call on local dense logits makes the target and the loss's per-row weights with the
+    loss (``route.weighted_loss``: the loss family's ``forward_labels``, one C++ op): its loss, per-token outputs,
+    metrics and gradient (an upstream gradient that is not 1) equal the path that runs the layout op first. Reference
+    logits in another dtype (the C++ backend composes), given reference log-probs with per-sequence advantages and
+    shifted packed labels, and a call without the gradient."""
+    from kltriton._inputs import Layout
+
+    gen, dtype = _backend_inputs(backend_name, 13)
+    logits = torch.randn(2, 7, 41, generator=gen, dtype=dtype) * 3
+    ref = torch.randn(2, 7, 41, generator=gen, dtype=dtype if backend_name == "reference" else torch.bfloat16)
+    labels = torch.randint(0, 41, (2, 7), generator=gen)
+    mask = torch.rand(2, 7, generator=gen) > 0.3
+    old = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0] + 0.1 * torch.randn(
+        2, 7, generator=gen, dtype=dtype)
+    cases = [
+        dict(ref=ref, labels=labels, advantages=torch.randn(2, 7, generator=gen, dtype=dtype), old_logprobs=old,
+             mask=mask, loss_type="grpo", kl_coef=0.05, entropy_coef=0.01, temperature=0.8),
+        dict(ref=(old - 0.2).reshape(-1), labels=labels.reshape(-1), advantages=torch.randn(3, generator=gen, dtype=dtype),
+             cu_seqlens=torch.tensor([0, 5, 5, 14]), shift_labels=True, loss_type="dapo", kl_coef=0.1,
+             kl_estimator="k2"),
+        dict(labels=labels, advantages=torch.randn(2, generator=gen, dtype=dtype), loss_type="dr_grpo",
+             compute_entropy=False, grad=False),
+    ]
+
+    def run(case, first):
+        case = dict(case)
+        with_grad = case.pop("grad", True)
+        if first:
+            monkeypatch.setattr(Layout, "pending", property(lambda self: False))
+        x = (logits if case["labels"].dim() == 2 else logits.reshape(14, 41)).clone().requires_grad_(with_grad)
+        out = kltriton.policy_loss(x, **case, backend=backend_name)
+        grad = torch.autograd.grad(out.loss * 1.7, x)[0] if with_grad else None
+        monkeypatch.undo()
+        return out, grad
+
+    for case in cases:
+        (made, made_grad), (first, first_grad) = run(case, False), run(case, True)
+        for a, b in zip(made[:-1], first[:-1], strict=True):
+            assert torch.equal(a, b)
+        assert made.metrics.keys() == first.metrics.keys()
+        for name in made.metrics:
+            assert torch.equal(made.metrics[name], first.metrics[name]), name
+        assert (made_grad is None and first_grad is None) or torch.equal(made_grad, first_grad)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
+def test_one_tile_rows_made_with_the_target_equal_the_layout_op_first(backend_name, monkeypatch):
+    """An LM head whose rows fit one tile (``tiles.one_tile``) makes its GEMM operand (the scored rows, the others
+    zero) with the target, one op on the C++ backend (``Layout.scored_rows``): log-probs, entropy and the gradients
+    of hidden states, weight and bias (upstream gradients that are not 1) equal the path that runs the layout op
+    first. A mask with shifted labels and a temperature; a bf16 head."""
+    from kltriton._inputs import Layout
+    from kltriton.ops import layout as layout_ops
+
+    gen, dtype = _backend_inputs(backend_name, 14)
+    hidden = torch.randn(2, 6, 8, generator=gen, dtype=dtype)
+    weight = torch.randn(37, 8, generator=gen, dtype=dtype) * 0.5
+    bias = torch.randn(37, generator=gen, dtype=dtype)
+    labels = torch.randint(0, 37, (2, 6), generator=gen)
+    mask = torch.rand(2, 6, generator=gen) > 0.3
+    upstream = (torch.randn(2, 6, generator=gen), torch.randn(2, 6, generator=gen))
+    made = []
+    launch = layout_ops.launch_target_rows
+    monkeypatch.setattr(layout_ops, "launch_target_rows", lambda *args: made.append(1) or launch(*args))
+
+    def run(first, hidden_dtype):
+        if first:
+            monkeypatch.setattr(Layout, "pending", property(lambda self: False))
+        leaves = [t.to(hidden_dtype).requires_grad_() for t in (hidden, weight, bias)]
+        logp, entropy = kltriton.token_logprobs(kltriton.LinearLogits(*leaves), labels, mask=mask, shift_labels=True,
+                                                temperature=0.9, return_entropy=True, backend=backend_name)
+        grads = torch.autograd.grad((logp, entropy), leaves, (upstream[0].to(logp.dtype),
+                                                              upstream[1].to(logp.dtype)))
+        if first:
+            monkeypatch.setattr(Layout, "pending", property(lambda self: self._target is None))
+        return (logp, entropy, *grads)
+
+    for hidden_dtype in (dtype,) if backend_name == "reference" else (dtype, torch.bfloat16):
+        made.clear()
+        with_target, first = run(False, hidden_dtype), run(True, hidden_dtype)
+        assert made == [1]  # the made path took the one-tile route, the other did not
+        for a, b in zip(with_target, first, strict=True):
+            assert torch.equal(a, b)
 
 
 def loss_fn(logits, ref, ids, mask, temperature, coef):

@@ -32,6 +32,11 @@ Backends: ``reference.py`` (PyTorch ops; also the context-parallel shift across 
     ``num_seqs_agg`` then the sequences with a scored position, at least 1; ``horizon`` 0-dim), and the weights of a
     loss's policy, KL and entropy terms: that weight times 1, ``kl_coef`` and ``-entropy_coef``.
 
+``target_rows(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, rows, out) -> (target,
+out)``
+    ``target``, then ``scored_rows(rows, target, out)`` (the label side of a one-tile projection and its GEMM operand):
+    one op on the cpp backend, the two calls on the others (``composed_target_rows``).
+
 ``scored_rows(rows, target, out) -> out``
     ``out[n] = rows[n]`` (converted to ``out``'s dtype) where ``n < N`` and ``target[n] >= 0``, else 0, for every row
     of ``out [>= N, H]`` (contiguous) from ``rows [N, H]`` (any strides): the scored positions' hidden states in a
@@ -53,3 +58,13 @@ class RowWeights(NamedTuple):
     kl_coef: float
     entropy_coef: float
     dtype: torch.dtype = torch.float32  # of ``prepared``: float64 on the reference backend (float64 logits) only
+
+
+def composed_target_rows(target, scored_rows):
+    """``target_rows`` of a backend as its ``target``, then its ``scored_rows``."""
+
+    def target_rows(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, rows, out):
+        made = target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags)
+        return made, scored_rows(rows, made, out)
+
+    return target_rows

@@ -8,6 +8,7 @@ import torch
 from kltriton.kernels import OUT_OF_RANGE, SKIP, constants
 from kltriton.kernels.epilogue import Rows
 from kltriton.kernels.epilogue.reference import sequences
+from kltriton.kernels.layout import composed_target_rows
 from kltriton.kernels.loss.weights import aggregation_weights
 
 _SLOT = {name: i for i, name in enumerate(constants.FLAG_SLOTS)}
@@ -91,3 +92,6 @@ def scored_rows(rows, target, out):
     out[:n] = torch.where((target >= 0)[:, None], rows.to(out.dtype), torch.zeros((), dtype=out.dtype,
                                                                                    device=out.device))
     return out
+
+
+target_rows = composed_target_rows(target, scored_rows)

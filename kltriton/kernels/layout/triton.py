@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kltriton.kernels import constants
 from kltriton.kernels import triton_rows as rows
+from kltriton.kernels.layout import composed_target_rows
 
 BLOCK = 1024
 SKIP = tl.constexpr(constants.SKIP)
@@ -263,3 +264,6 @@ def target_weights(labels2d, mask2d, cu_seqlens, temperature, ignore_index, voca
         weights.kl_coef, weights.entropy_coef, SHIFT=bool(shift), AGGREGATION=weights.aggregation,
         PER_SEQUENCE=bool(weights.per_sequence), BLOCK=BLOCK)
     return out, prepared
+
+
+target_rows = composed_target_rows(target, scored_rows)

@@ -123,25 +123,36 @@ def one_tile(policy, ref, n: int, tile_elements: int) -> bool:
     return n <= tile_rows and vocab_tile == vocab
 
 
+def one_tile_operand(policy, tile_rows: int):
+    """``(rows [N, H], out [tile_rows, H])``: the policy's hidden states as rows, and the uninitialized buffer of the
+    one-tile path's GEMM operand (``_operand``'s dtype: CUDA half stays half), which the layout family's
+    ``scored_rows`` fills."""
+    x = policy.x.detach()
+    dtype = x.dtype if x.is_cuda else accumulation_dtype(x.dtype)
+    return (x.reshape(x.shape[:-1].numel(), x.shape[-1]),
+            torch.empty((tile_rows, x.shape[-1]), dtype=dtype, device=x.device))
+
+
 def bind_one_tile(stream, layout):
     """``(forward, backward)`` of the one-tile path (``one_tile``) on the ``stream`` and ``layout`` modules."""
 
-    def forward(policy, target, temperature, request, tile_elements):
+    def forward(policy, target, temperature, request, tile_elements, rows=None):
         """``(StreamStats, tile)``: the statistics of the policy's rows, projected as rows ``[0, N)`` of one
         ``[tile_rows, V]`` tile (the GEMM's shape fixed: batch invariance; the unscored positions' rows zero), and
-        that tile (fp32; its rows past ``N`` hold the logits of zero rows, never read)."""
+        that tile (fp32; its rows past ``N`` hold the logits of zero rows, never read). ``rows``: the GEMM's operand
+        made with the target (``_inputs.Layout.scored_rows``), or None: made here."""
         n, vocab = target.numel(), _vocab(policy)
         tile_rows, _ = plan(vocab, tile_elements)
-        tile = _project(policy, _rows(policy, target, tile_rows),
-                        torch.empty((tile_rows, vocab), dtype=accumulation_dtype(policy.x.dtype), device=target.device))
+        if rows is None:
+            rows = _rows(policy, target, tile_rows)
+        tile = _project(policy, rows, torch.empty((tile_rows, vocab), dtype=accumulation_dtype(policy.x.dtype),
+                                                  device=target.device))
         return stream.forward(tile[:n], None, target, temperature, request), tile
 
     def _rows(policy, target, tile_rows):
         """The GEMM's ``[tile_rows, H]`` operand: the scored rows of the policy's hidden states, the others zero."""
-        x = policy.x.detach()
-        dtype = x.dtype if x.is_cuda else accumulation_dtype(x.dtype)  # as _operand: CUDA half stays half
-        rows = torch.empty((tile_rows, x.shape[-1]), dtype=dtype, device=x.device)
-        return layout.scored_rows(x.reshape(target.numel(), x.shape[-1]), target, rows)
+        rows, out = one_tile_operand(policy, tile_rows)
+        return layout.scored_rows(rows, target, out)
 
     def backward(policy, tile, target, temperature, lse, upstream, want_x, want_weight, want_bias):
         """``(d_x, d_weight, d_bias)`` from the forward's ``tile``: the logits gradient written over its first ``N``

@@ -37,6 +37,16 @@ entropy_grad, with_grad, with_entropy=True) -> (StreamStats, grad)``
     estimator) and ``grad``: ``d loss / d logits``, contiguous ``[N, V]`` in ``logits.dtype``, zero on rows
     with ``target < 0`` or without a distribution.
 
+``forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+weights, temperature, old_logp, ref_logp, hyperparameters, loss_type, estimator, entropy_grad, with_grad,
+with_entropy) -> (target, StreamStats, grad, LossTerms)``
+    The ``layout`` family's ``target_weights`` of the label side (its arguments as in ``kltriton.kernels.stream``'s
+    ``forward_labels``, the vocabulary the logits'; ``weights`` a ``kltriton.kernels.layout.RowWeights``), then
+    ``forward`` and ``terms`` at that target on ``LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp,
+    w_agg)`` of its rows (``old_logp`` and ``ref_logp`` ``[N]`` or of the logits' leading shape, or None). One op on
+    the cpp backend (each op called from Python costs the host more than the three kernels at small ``N``); the
+    others compose the three (``composed.forward_labels``).
+
 ``accumulate_(grad, logits, target, temperature, lse, basis) -> None``
     ``grad += `` the gradient on ``basis`` (``kltriton.kernels.statistics.Basis``, the ``label``, ``p`` and
     optional ``p_logp`` terms) of the rows with ``target >= 0``, a finite ``lse`` and a nonzero coefficient;

@@ -1,4 +1,5 @@
-"""The ``loss`` family from a ``stream`` backend module: statistics, coefficients, gradient (two reads).
+"""The ``loss`` family from a ``stream`` backend module: statistics, coefficients, gradient (two reads); and its
+``forward_labels`` from a ``layout`` and a ``loss`` backend module.
 
 ``forward`` runs the stream module's forward, the ``[N]`` coefficients of ``terms.coefficients`` (the loss
 types of ``terms.FUSED``), and the stream module's backward on the gradient basis,
@@ -10,7 +11,7 @@ import torch
 
 from kltriton import estimators
 from kltriton.kernels import statistics
-from kltriton.kernels.loss import statistics_request, terms
+from kltriton.kernels.loss import LossInputs, statistics_request, terms
 
 
 def forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad,
@@ -30,6 +31,20 @@ def forward(stream, logits, ref_logits, target, temperature, inputs, hyperparame
     grad = stream.backward(logits, ref_logits if with_ref else None, target, temperature, stats.lse,
                            stats.ref_lse if with_ref else None, basis)
     return stats, grad.view(-1, logits.shape[-1])
+
+
+def forward_labels(target_weights, loss_forward, loss_terms, logits, ref_logits, labels2d, mask2d, cu_seqlens,
+                   checked_temperature, ignore_index, shift, flags, weights, temperature, old_logp, ref_logp,
+                   hyperparameters, loss_type, estimator, entropy_grad, with_grad, with_entropy):
+    """``forward_labels`` (the contract in ``kernels.loss``) as three calls of a backend: the ``layout`` family's
+    ``target_weights``, then the ``loss`` family's ``forward`` and ``terms`` on its rows."""
+    target, prepared = target_weights(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index,
+                                      logits.shape[-1], shift, flags, weights)
+    advantages, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
+    inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp, w_agg)
+    stats, grad = loss_forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type,
+                               estimator, entropy_grad, with_grad, with_entropy)
+    return target, stats, grad, loss_terms(stats, target, inputs, hyperparameters, loss_type, estimator)
 
 
 def accumulate_(stream, grad, logits, target, temperature, lse, basis):

@@ -8,7 +8,8 @@ stream kernels (``composed.py``).
 import torch
 
 from kltriton import estimators
-from kltriton.kernels import cpp_library
+from kltriton.kernels import constants, cpp_library
+from kltriton.kernels.layout import cpp as layout
 from kltriton.kernels.loss import LossTerms, composed, reference_logp
 from kltriton.kernels.row_views import as_rows3d
 from kltriton.kernels.statistics import StreamStats
@@ -44,6 +45,29 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
         est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),
         bool(with_entropy))
     return StreamStats(*outs[:-1]), outs[-1]
+
+
+def forward_labels(logits, ref_logits, labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index, shift, flags,
+                   weights, temperature, old_logp, ref_logp, hyperparameters, loss_type, estimator, entropy_grad,
+                   with_grad, with_entropy):
+    """One op (``loss_forward_labels``); reference logits in another dtype take the composition of the three."""
+    if ref_logits is not None and ref_logits.dtype != logits.dtype:
+        return composed.forward_labels(layout.target_weights, forward, terms, logits, ref_logits, labels2d, mask2d,
+                                       cu_seqlens, checked_temperature, ignore_index, shift, flags, weights,
+                                       temperature, old_logp, ref_logp, hyperparameters, loss_type, estimator,
+                                       entropy_grad, with_grad, with_entropy)
+    layout.check_weights_dtype(weights)
+    cpp_library.load()
+    est = estimators.parse(estimator) if estimator else None
+    target, *outs = torch.ops.kltriton_cpp.loss_forward_labels(
+        stream.rows3d(logits), stream.rows3d(ref_logits), labels2d, mask2d, cu_seqlens, checked_temperature,
+        ignore_index, shift, flags, constants.AGGREGATIONS.index(weights.aggregation), weights.num_tokens,
+        weights.num_seqs_agg, weights.horizon, weights.advantages, weights.per_sequence, weights.kl_coef,
+        weights.entropy_coef, temperature, old_logp, ref_logp, _f64(hyperparameters), loss_type,
+        est.base if est else "", bool(est and est.straight_through), bool(entropy_grad), bool(with_grad),
+        bool(with_entropy))
+    stats_end = len(StreamStats._fields)
+    return target, StreamStats(*outs[:stats_end]), outs[stats_end], LossTerms(*outs[stats_end + 1:])
 
 
 def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms:

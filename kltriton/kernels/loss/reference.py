@@ -8,6 +8,7 @@ import torch
 from kltriton import estimators
 from kltriton.kernels import SKIP, constants
 from kltriton.kernels.loss import LossTerms, composed, reference_logp, terms as formulas, weights
+from kltriton.kernels.layout import reference as layout
 from kltriton.kernels.stream import reference as stream
 
 
@@ -15,6 +16,10 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
             with_entropy=True):
     return composed.forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator,
                             entropy_grad, with_grad, with_entropy)
+
+
+def forward_labels(logits, ref_logits, *args):
+    return composed.forward_labels(layout.target_weights, forward, terms, logits, ref_logits, *args)
 
 
 def accumulate_(grad, logits, target, temperature, lse, basis):

@@ -24,6 +24,7 @@ import triton.language as tl
 from kltriton import estimators
 from kltriton.kernels import constants, statistics
 from kltriton.kernels import triton_rows as rows
+from kltriton.kernels.layout import triton as layout
 from kltriton.kernels.loss import LossTerms, composed, reference_logp, statistics_request
 from kltriton.kernels.loss import terms as formulas
 from kltriton.kernels.row_views import num_rows
@@ -462,6 +463,10 @@ def forward(logits, ref_logits, target, temperature, inputs, hyperparameters, lo
         hyperparameters.to(torch.float64).contiguous(), vocab, temperature, 1 if temperature.dim() else 0,
         **launch.constexprs, **launch.options)
     return stats, grad
+
+
+def forward_labels(logits, ref_logits, *args):
+    return composed.forward_labels(layout.target_weights, forward, terms, logits, ref_logits, *args)
 
 
 def terms(stats, target, inputs, hyperparameters, loss_type, estimator) -> LossTerms:
