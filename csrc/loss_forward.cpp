@@ -255,7 +255,7 @@ void loss_accumulate_(at::Tensor& grad, const at::Tensor& logits3d, const at::Te
 
 void loss_scale_(at::Tensor& grad, const at::Tensor& upstream) {
   TORCH_CHECK(upstream.numel() == 1 && upstream.device().is_cpu(), "kltriton_cpp: upstream must be a CPU scalar");
-  const double u = upstream.to(at::kDouble).item<double>();  // host memory: no device sync
+  const double u = upstream.item<double>();  // host memory: no device sync
   if (u != 1.0 && grad.numel() > 0) grad.mul_(u);
 }
 

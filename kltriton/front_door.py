@@ -85,14 +85,19 @@ def _side(value, name: str, detach: bool = False):
         scale = None if value.logit_scale == 1.0 else runtime_scalar(value.logit_scale, hidden.device)
         softcap = None if value.softcap is None else runtime_scalar(value.softcap, hidden.device)
         side = Side(hidden, weight, bias, scale, softcap)
-        shape, tile = value.shape, value.tile_elements
-    else:
-        check_logits(value, name)
-        local, axis, sequence = _dtensor.local_logits(value, name)
-        side, shape, tile = Side(local, None, None, None, None), value.shape, None
-    if detach:
-        side = Side(*(None if t is None else t.detach() for t in side))
-    return side, axis, sequence, shape, tile
+        if detach:
+            side = Side(*(None if t is None else t.detach() for t in side))
+        return side, axis, sequence, value.shape, value.tile_elements
+    check_logits(value, name)
+    local, axis, sequence = _dtensor.local_logits(value, name)
+    return Side(local.detach() if detach else local, None, None, None, None), axis, sequence, value.shape, None
+
+
+def _accepted(forms) -> str:
+    """The reference's accepted ``forms``, in words (for an error)."""
+    words = {"logits": "logits (a tensor or a kltriton.LinearLogits)", "logprobs": "log-probs",
+             "topk": "a kltriton.TopK"}
+    return " or ".join(words[form] for form in forms)
 
 
 def _reference(ref, forms, policy, policy_shape, names):
@@ -110,16 +115,13 @@ def _reference(ref, forms, policy, policy_shape, names):
         if ref.device != device:
             raise ValueError(f"{name} is on {ref.device} but {policy_name} is on {device}")
         return None, None, None, ref, None
-    kinds = {"logits": "logits (a tensor or a kltriton.LinearLogits)", "logprobs": "log-probs",
-             "topk": "a kltriton.TopK"}
-    accepted = " or ".join(kinds[f] for f in forms)
     if not isinstance(ref, (torch.Tensor, LinearLogits)):
-        raise TypeError(f"{name} must be {accepted}, got {type(ref).__name__}")
+        raise TypeError(f"{name} must be {_accepted(forms)}, got {type(ref).__name__}")
     if ref.device != device:
         raise ValueError(f"{name} is on {ref.device} but {policy_name} is on {device}")
     if isinstance(ref, LinearLogits) or tuple(ref.shape) == tuple(policy_shape):
         if "logits" not in forms:
-            raise TypeError(f"{name} must be {accepted}, got logits of shape {tuple(ref.shape)}")
+            raise TypeError(f"{name} must be {_accepted(forms)}, got logits of shape {tuple(ref.shape)}")
         if isinstance(ref, LinearLogits) and ref.shape != policy_shape:
             raise ValueError(f"{name} must have {policy_name}'s shape {tuple(policy_shape)}, got {tuple(ref.shape)}")
         # Any logits dtype, also one other than the policy's (a bf16 policy, an fp32 reference); float64 only with

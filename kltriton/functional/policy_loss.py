@@ -76,25 +76,11 @@ _CHECKED = collections.OrderedDict()  # _options_key -> the checked _Loss, most 
 CHECKED_CACHE_SIZE = 64
 
 
-def _options_key(values):
-    """A hashable key of option values with their types (``1``, ``1.0`` and ``True`` are three keys): python scalars,
-    strings, estimators, devices, and tuples and dicts of them; None when a value is anything else (a tensor)."""
-    key = []
-    for value in values:
-        kind = type(value)
-        if kind is tuple:
-            inner = _options_key(value)
-        elif kind is dict:
-            inner = _options_key(value.values())
-            inner = inner and (tuple(value), inner)
-        elif kind in _PLAIN:
-            inner = value
-        else:
-            return None
-        if inner is None and value is not None:
-            return None
-        key += (kind, inner)
-    return tuple(key)
+def _options_key(values: tuple):
+    """A hashable key of a flat tuple of option values with their types (``1``, ``1.0`` and ``True`` are three keys):
+    python scalars, strings, estimators and devices; None when a value is anything else (a tensor, a tuple)."""
+    kinds = tuple(map(type, values))
+    return (values, kinds) if _PLAIN.issuperset(kinds) else None
 
 
 def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, clip, kl, entropy) -> _Loss:
@@ -104,8 +90,10 @@ def _loss(call: Call, loss_type, loss_parameters, settings_given: dict, level, c
     every step: in eager calls the checked result of each set of python values is kept (``CHECKED_CACHE_SIZE``)."""
     if torch.compiler.is_compiling():
         return _check_loss(call, loss_type, loss_parameters, settings_given, level, clip, kl, entropy)
-    key = _options_key((call.device, call.ref is not None, call.ref_logprobs is not None, loss_type, loss_parameters,
-                        settings_given, level, clip, kl, entropy))
+    # flat: the fixed-length options, then the loss type's own parameters as their count, names and values
+    key = _options_key((call.device, call.ref is not None, call.ref_logprobs is not None, loss_type, level, *clip, *kl,
+                        *entropy, *settings_given.values(), len(loss_parameters), *loss_parameters,
+                        *loss_parameters.values()))
     checked = None if key is None else _CHECKED.get(key)
     if checked is None:
         checked = _check_loss(call, loss_type, loss_parameters, settings_given, level, clip, kl, entropy)
@@ -184,9 +172,9 @@ def _checked(name, tensor, call: Call, per_sequence: bool = False):
     if tensor is None:
         return None, False
     shape, layout = call.layout.shape, call.layout
-    expected = f"S = {tuple(shape)}" + (f" or [num_seqs] = [{layout.num_seqs}]" if per_sequence else "")
+    expected = lambda: f"S = {tuple(shape)}" + (f" or [num_seqs] = [{layout.num_seqs}]" if per_sequence else "")  # noqa: E731
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating tensor of shape {expected}")
+        raise TypeError(f"{name} must be a floating tensor of shape {expected()}")
     if tensor.device != call.device:
         raise ValueError(f"{name} is on {tensor.device} but logits are on {call.device}")
     if tensor.shape == shape:
@@ -195,7 +183,7 @@ def _checked(name, tensor, call: Call, per_sequence: bool = False):
         return tensor.detach(), True
     if per_sequence and len(shape) == 2 and tuple(tensor.shape) == (shape[0], 1):
         return tensor.detach().reshape(-1), True
-    raise ValueError(f"{name} must have shape {expected}, got {tuple(tensor.shape)}")
+    raise ValueError(f"{name} must have shape {expected()}, got {tuple(tensor.shape)}")
 
 
 def _per_position(name, tensor, call: Call, acc, per_sequence: bool = False):
@@ -628,8 +616,9 @@ def policy_loss(
                          "sequence_group does not take: gather the sequences on every rank first")
     if entropy_quantile_group is not None:
         check_group(entropy_quantile_group, "entropy_quantile_group")
-    loss = loss._replace(quantile_group=call.sequence_group if entropy_quantile_group is None
-                         else entropy_quantile_group)
+    quantile_group = call.sequence_group if entropy_quantile_group is None else entropy_quantile_group
+    if quantile_group is not None:
+        loss = loss._replace(quantile_group=quantile_group)
     _check_choice("entropy_aggregation", entropy_aggregation, constants.AGGREGATIONS)
     _check_choice("pg_aggregation", pg_aggregation, constants.AGGREGATIONS)
     aggregations = _Aggregations(loss.settings.aggregation, pg_aggregation, entropy_aggregation,
