@@ -192,7 +192,7 @@ def weighted_loss(call: Call, weights, old_logp, hyperparameters, loss_type, est
     log-probs as they are. Local dense logits in an eager call whose target is not made yet: one call of the loss
     family's ``forward_labels`` (``ops.loss.fused_labels``); else ``Layout.weighted``, then ``fused_loss``."""
     layout, logits, ref = call.layout, call.policy.x, None if call.ref is None else call.ref.x
-    if (call.policy.weight is None and call.shard is None and layout.pending
+    if (family(call) == "stream" and call.shard is None and layout.pending
             and eager((logits, ref, call.temperature, old_logp, call.ref_logprobs, weights, layout.source))):
         return loss_ops.fused_labels(logits, ref, layout, weights, call.temperature, old_logp, call.ref_logprobs,
                                      hyperparameters, loss_type, estimator, entropy_grad, with_entropy,

@@ -95,6 +95,20 @@ def test_every_float_option_is_checked_finite_and_in_range(op, option, call, bad
             call(value)
 
 
+def test_checked_options_are_kept_by_value_and_type():
+    """``policy_loss`` keeps the checked options of each set of python values (a training loop passes the same every
+    step): a value equal to a kept one but of another type (``False == 0.0``, ``True == 1``) is checked again and
+    refused by name, and a loss type's own parameter is part of the key."""
+    logits, labels, adv = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5)), torch.randn(2)
+    for kept, again in ((dict(kl_coef=0.0), dict(kl_coef=False)), (dict(clip_low=1), dict(clip_low=True))):
+        kltriton.policy_loss(logits, labels, adv, **kept)
+        with pytest.raises(TypeError, match=next(iter(again))):
+            kltriton.policy_loss(logits, labels, adv, **again)
+    tau = [kltriton.policy_loss(logits, labels, adv, old_logprobs=-torch.rand(2, 5), loss_type="sapo",
+                                tau_pos=value).loss for value in (1.0, 3.0)]
+    assert not torch.equal(tau[0], tau[1])
+
+
 def test_given_reference_logprobs_are_zero_where_not_scored(backend):
     """``ref_logprobs`` is 0 at unscored positions, like every per-token output, also when ``ref`` is given
     as log-probs (the given values are not passed through)."""
