@@ -135,7 +135,14 @@ at::Tensor row_weights(const int64_t* tgt, int64_t N, int64_t num_seqs, int64_t 
     total += count[s];
     nonempty += count[s] > 0 ? 1.0 : 0.0;
   }
+  // The given denominators are read once, each only by the aggregation that divides by it (a read per row was a
+  // tensor op per row: 10x the whole kernel).
+  TORCH_CHECK(aggregation != kSeqMeanTokenSumNorm || horizon.has_value(),
+              "kltriton_cpp: seq-mean-token-sum-norm needs the horizon");
   const double sequences = num_seqs_agg.has_value() ? scalar_of(num_seqs_agg) : std::max(nonempty, 1.0);
+  const double tokens =
+      aggregation == kTokenMean && num_tokens.has_value() ? scalar_of(num_tokens) : std::max(total, 1.0);
+  const double norm = aggregation == kSeqMeanTokenSumNorm ? scalar_of(horizon) : 1.0;
   at::Tensor out = at::empty({5, N}, options.dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n) {
@@ -143,10 +150,10 @@ at::Tensor row_weights(const int64_t* tgt, int64_t N, int64_t num_seqs, int64_t 
     double w = valid;
     switch (aggregation) {
       case kTokenSum: break;
-      case kTokenMean: w = valid / (num_tokens.has_value() ? scalar_of(num_tokens) : std::max(total, 1.0)); break;
+      case kTokenMean: w = valid / tokens; break;
       case kSeqMeanTokenSum: w = valid / sequences; break;
       case kSeqMeanTokenMean: w = valid / std::max(count[seq[n]], 1.0) / sequences; break;
-      case kSeqMeanTokenSumNorm: w = valid / sequences / scalar_of(horizon); break;
+      case kSeqMeanTokenSumNorm: w = valid / sequences / norm; break;
       default: TORCH_CHECK(false, "kltriton_cpp: unknown aggregation ", aggregation);
     }
     const float wf = static_cast<float>(w);

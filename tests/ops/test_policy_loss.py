@@ -95,8 +95,8 @@ def oracle(x, d, cfg):
 
     def agg(mat):  # verl agg_loss, dp_size 1 (denominators clamped at 1 where verl divides by 0)
         mode = cfg.get("aggregation", "token-mean")
-        if mode == "token-mean":
-            return (mat * m).sum() / m.sum().clamp(min=1)
+        if mode == "token-mean":  # verl's global_batch_info: a given token count replaces the local one
+            return (mat * m).sum() / cfg.get("batch_num_tokens", m.sum().clamp(min=1))
         if mode == "token-sum":
             return (mat * m).sum()
         nonempty = (m.sum(-1) > 0).double()
@@ -146,6 +146,9 @@ CONFIGS = [
     dict(loss_type="gspo", clip_low=0.2, kl_coef=0.1, kl_estimator="full", is_mode="token_truncate",
          entropy_coef=0.01),
     dict(loss_type="ppo", clip_low=0.2, on_policy=True, is_mode="sequence_truncate", is_cap=1.2),
+    # the one-op route (no rollout IS): the given denominators reach the layout kernel's row weights
+    dict(loss_type="ppo", clip_low=0.2, aggregation="seq-mean-token-sum-norm", horizon=5, kl_coef=0.1),
+    dict(loss_type="ppo", clip_low=0.2, batch_num_tokens=23.0, kl_coef=0.1, entropy_coef=0.01),
 ]
 
 
