@@ -51,7 +51,7 @@ from kltriton.front_door import Call
 from kltriton.kernels import OUT_OF_RANGE, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.divergence import KINDS, composed
-from kltriton.kernels.loss import LossInputs, LossTerms, terms
+from kltriton.kernels.loss import LossTerms, row_inputs, terms
 from kltriton.kernels.statistics import StreamStats
 from kltriton.kernels.linear.tiles import one_tile, one_tile_operand, plan
 from kltriton.kernels.truncation import linear as truncation_linear
@@ -197,8 +197,7 @@ def weighted_loss(call: Call, weights, old_logp, hyperparameters, loss_type, est
         return loss_ops.fused_labels(logits, ref, layout, weights, call.temperature, old_logp, call.ref_logprobs,
                                      hyperparameters, loss_type, estimator, entropy_grad, with_entropy,
                                      backend(call, "loss"))
-    advantages, w_agg, w_pg, w_kl, w_ent = layout.weighted(weights).unbind()
-    inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, call.ref_logprobs, w_agg)
+    inputs = row_inputs(layout.weighted(weights), old_logp, call.ref_logprobs)
     value, stats, _, terms_out = fused_loss(call, inputs, hyperparameters, loss_type, estimator, entropy_grad,
                                             with_entropy)
     return value, stats, terms_out

@@ -89,6 +89,13 @@ class LossTerms(NamedTuple):
     metrics: torch.Tensor  # [len(constants.LOSS_METRICS)] fp32
 
 
+def row_inputs(prepared, old_logp, ref_logp) -> LossInputs:
+    """The ``LossInputs`` of the layout family's ``prepared [5, N]`` rows (advantages, aggregation weights, ``w_pg``,
+    ``w_kl``, ``w_ent``: ``target_weights``) and the given old and reference log-probs (or None)."""
+    advantages, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
+    return LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp, w_agg)
+
+
 def reference_logp(stats, inputs):
     """The reference log-probs a loss's KL reads: the forward's (reference logits) or the given ones."""
     return stats.ref_logp if stats.ref_logp.shape == stats.logp.shape else inputs.ref_logp
@@ -100,4 +107,4 @@ def statistics_request(has_ref_logits: bool, estimator: str, entropy: bool = Tru
     return statistics.request(entropy=entropy, ref=has_ref_logits, full_kl=estimator == "full")
 
 
-__all__ = ["LossInputs", "LossTerms", "constants", "reference_logp", "statistics_request"]
+__all__ = ["LossInputs", "LossTerms", "constants", "reference_logp", "row_inputs", "statistics_request"]

@@ -11,7 +11,7 @@ import torch
 
 from kltriton import estimators
 from kltriton.kernels import statistics
-from kltriton.kernels.loss import LossInputs, statistics_request, terms
+from kltriton.kernels.loss import row_inputs, statistics_request, terms
 
 
 def forward(stream, logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type, estimator, entropy_grad,
@@ -40,8 +40,7 @@ def forward_labels(target_weights, loss_forward, loss_terms, logits, ref_logits,
     ``target_weights``, then the ``loss`` family's ``forward`` and ``terms`` on its rows."""
     target, prepared = target_weights(labels2d, mask2d, cu_seqlens, checked_temperature, ignore_index,
                                       logits.shape[-1], shift, flags, weights)
-    advantages, w_agg, w_pg, w_kl, w_ent = prepared.unbind()
-    inputs = LossInputs(old_logp, advantages, w_pg, w_kl, w_ent, ref_logp, w_agg)
+    inputs = row_inputs(prepared, old_logp, ref_logp)
     stats, grad = loss_forward(logits, ref_logits, target, temperature, inputs, hyperparameters, loss_type,
                                estimator, entropy_grad, with_grad, with_entropy)
     return target, stats, grad, loss_terms(stats, target, inputs, hyperparameters, loss_type, estimator)
