@@ -12,6 +12,9 @@ pass, both differentiable w.r.t. the policy side's logits, or hidden states, wei
   ``statistics.merge``. Backward: the local pass's gradient on the *global* statistics' basis, which is exactly the
   global gradient restricted to the shard (the label term kept on the shard that holds the label); no
   communication but an LM head's hidden gradient, summed over the ranks with one all-reduce of ``N x H`` values.
+  In the invariant mode (a request with ``constants.INVARIANT``) the shards are joined between the kernels instead
+  (``ops.invariant``: one all-reduce max of the rows' maxima, one int64 all-reduce of their fixed-point sums and label
+  logits), which gives the same bits on any number of shards; the backward is the same.
 - ``summed`` (``_Summed``): results that are sums over the vocabulary once the rows' log-sum-exps are known (the
   JSD's second pass, a top-k teacher's ``K`` columns): the local pass, one all-reduce of its outputs; backward as
   above.
@@ -32,13 +35,14 @@ import torch
 import torch.distributed as dist
 
 from kltriton._env import launched_world_size
-from kltriton.collectives import SequenceSplit, all_gather, all_reduce, check_group
+from kltriton.collectives import SequenceSplit, all_gather, all_reduce, all_reduce_max, check_group
 from kltriton._autograd import first_order
 from kltriton._inputs import host_checks
-from kltriton.kernels import OUT_OF_RANGE, SKIP, statistics
+from kltriton.kernels import OUT_OF_RANGE, SKIP, constants, statistics
 from kltriton.kernels.linear import Side
 from kltriton.kernels.statistics import LABEL_ELSEWHERE, StreamStats
 from kltriton.ops import divergence
+from kltriton.ops import invariant as invariant_ops
 from kltriton.ops import statistics as statistics_ops
 from kltriton.ops._define import NeedsGrad
 from kltriton.ops import truncation as truncation_ops
@@ -215,7 +219,8 @@ def _statistics_forward(local, target, tensors):
 def _statistics_backward(local, target, own, tensors, stats, grads, needs_grad):
     policy, ref, temperature = Side(*tensors[:5]), _side(tensors[5:10]), tensors[10]
     return statistics_ops.gradients(policy, ref, target, temperature, local.tile_elements, local.backend, grads,
-                                    stats, needs_grad, label_here=own)
+                                    stats, needs_grad, label_here=own,
+                                    invariant=bool(local.request & constants.INVARIANT))
 
 
 def _truncated_forward(local, target, tensors):
@@ -231,9 +236,29 @@ def _truncated_backward(local, target, own, tensors, stats, grads, needs_grad):
     return grad, None, None
 
 
-# The merged passes: (forward -> this shard's statistics, backward -> (d_x, d_weight, d_bias)).
-MERGED = {"statistics": (_statistics_forward, _statistics_backward),
-          "truncated": (_truncated_forward, _truncated_backward)}
+def _reduce(local):
+    """The invariant mode's joins over the shards: ``(all-reduce max, all-reduce sum)``."""
+    return (lambda t: all_reduce_max(t, local.group)), (lambda t: all_reduce(t, local.group))
+
+
+def _fixed_statistics(local, target, kernel_target, own, tensors):
+    """``(global StreamStats, held)`` of ``statistics`` in the invariant mode (``ops.invariant.statistics``)."""
+    policy, ref, temperature = Side(*tensors[:5]), _side(tensors[5:10]), tensors[10]
+    return invariant_ops.statistics(policy, ref, target, kernel_target, own, temperature, local.request, local.backend,
+                                    local.tile_elements, _reduce(local))
+
+
+def _fixed_truncated(local, target, kernel_target, own, tensors):
+    """``(global StreamStats, held)`` of ``truncated`` in the invariant mode (``ops.invariant.dense_statistics``)."""
+    logits, temperature, floor = tensors[0], tensors[5], tensors[9]
+    return invariant_ops.dense_statistics(logits, target, kernel_target, own, temperature, floor, local.request,
+                                          local.backend, _reduce(local))
+
+
+# The merged passes: (forward -> this shard's statistics, the invariant mode's forward -> the global statistics and
+# whether some shard holds each row's label, backward -> (d_x, d_weight, d_bias)).
+MERGED = {"statistics": (_statistics_forward, _fixed_statistics, _statistics_backward),
+          "truncated": (_truncated_forward, _fixed_truncated, _truncated_backward)}
 
 
 def _hidden_summed(d, tensors, group):
@@ -251,11 +276,17 @@ class _Merged(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: LocalPass, target, *tensors):
-        forward, _ = MERGED[local.kind]
-        projected = tensors[1] is not None or (local.kind == "statistics" and tensors[6] is not None)
-        kernel_target, own = _localize(target, local.start, local.size, local.size if projected else 0)
-        stats, backward_target = _global_stats(forward(local, kernel_target, tensors), target, kernel_target, own,
-                                               local.request, local.group, target >= local.start + local.size)
+        forward, fixed_forward, _ = MERGED[local.kind]
+        if local.request & constants.INVARIANT:  # the statistics joined between the kernels, global already
+            kernel_target, own = _localize(target, local.start, local.size, 0)
+            stats, held = fixed_forward(local, target, kernel_target, own, tensors)
+            # a label no shard holds: NaN statistics (``finalize``), no gradient
+            backward_target = torch.where((target >= 0) & ~held, OUT_OF_RANGE, kernel_target)
+        else:
+            projected = tensors[1] is not None or (local.kind == "statistics" and tensors[6] is not None)
+            kernel_target, own = _localize(target, local.start, local.size, local.size if projected else 0)
+            stats, backward_target = _global_stats(forward(local, kernel_target, tensors), target, kernel_target,
+                                                   own, local.request, local.group, target >= local.start + local.size)
         ctx.save_for_backward(backward_target, own, *tensors, *stats)
         ctx.local = local
         ctx.mark_non_differentiable(*(getattr(stats, name) for name in statistics.NAMES
@@ -269,7 +300,7 @@ class _Merged(torch.autograd.Function):
         target, own, *rest = ctx.saved_tensors
         tensors, stats = rest[:-len(statistics.NAMES)], StreamStats(*rest[-len(statistics.NAMES):])
         needs_grad = ctx.needs_input_grad[2:5]
-        _, backward = MERGED[ctx.local.kind]
+        _, _, backward = MERGED[ctx.local.kind]
         d = backward(ctx.local, target, own, tensors, stats, dict(zip(statistics.NAMES, grads)), needs_grad)
         d = _hidden_summed(d, tensors, ctx.local.group)
         return (None, None, *(g if w else None for g, w in zip(d, needs_grad)), *[None] * (len(tensors) - 3))
@@ -376,7 +407,8 @@ def shard_truncated(logits, target, temperature, knobs, request, backend, shard:
     every rank of ``shard.group`` calls it with the same ``target``, ``temperature`` and knobs."""
     from kltriton.sharded_floor import shard_floor
 
-    floor = shard_floor(logits, target, temperature, knobs, shard.group)
+    floor = shard_floor(logits, target, temperature, knobs, shard.group,
+                        fixed_point=bool(request & constants.INVARIANT))
     return merged(_pass("truncated", shard, request, 0, backend), target, logits, None, None, None, None, temperature,
                   *knobs, floor)
 

@@ -16,12 +16,14 @@ rank's rows (``ops``) or over vocab shards (``parallel``):
 | the JSD's second pass (``token_divergence``)        | ``ops.divergence.jsd``          | ``parallel.shard_jsd``       |
 | the fused divergence loss (``token_divergence``)    | ``ops.divergence.divergence_loss`` | (two-pass)                |
 | a top-k teacher's columns (``token_divergence``)    | ``ops.divergence.columns``      | ``parallel.shard_columns``   |
-| statistics in the invariant mode (``kltriton.set_invariant``) | ``invariant.dense`` / ``invariant.linear`` (an LM head: GEMMs of one fixed shape) | the same: one all-reduce max and one int64 all-reduce (an LM head: per token tile) |
-| truncated statistics in the invariant mode (recompute) | ``invariant.floor``, then those above it | the same (the floor: ``sharded_floor``, fixed-point masses) |
 
-The invariant mode (``invariant.enabled()``) changes the routes of every function: the statistics go to
-``invariant_statistics`` (replay keeps its route, which is invariant already), ``policy_loss`` takes its two-pass
-route, and the exact KL over the vocabulary and ``token_divergence`` raise (``invariant.refuse``).
+The invariant mode (``invariant.enabled()``) keeps these routes and adds ``constants.INVARIANT`` to the statistics'
+request: the ops run the ``invariant`` family (``ops.invariant``; an LM head by GEMMs of one fixed shape), the
+vocab-parallel passes join the shards between its kernels, and a truncation's floor has fixed-point masses
+(``invariant.floor``; over shards ``sharded_floor``'s). Replay is invariant in every mode. The lean steps that make
+the target with the statistics (``dense_labels``, ``Layout.scored_rows``) are the ``stream`` family's, so they are
+skipped; ``policy_loss`` takes its two-pass route, and the exact KL over the vocabulary and ``token_divergence``
+raise (``invariant.refuse``).
 
 ``policy_loss`` (``loss_route``) is ``"fused"`` (its gradient written in the forward) unless one of these holds,
 then ``"two-pass"`` (the statistics, the formulas of ``kernels.loss.terms`` in PyTorch, autograd; the logits are
@@ -34,12 +36,12 @@ read again in the backward):
 | the logits are vocab-sharded                                          | the derivative needs the global statistics   |
 | a truncation                                                          | the kept set is not a fused kernel's         |
 | a dense policy with an LM-head reference                              | the fused kernels read one kind of side      |
-| the invariant mode                                                    | its statistics are their own passes          |
+| the invariant mode                                                    | the fused kernels' sums are the ``stream`` family's |
 
 ``token_divergence`` (``divergence_route``) is ``"fused"`` with a reduction, a dense teacher (logits or an LM
 head), no vocab sharding and not a dense student with an LM-head teacher; else ``"two-pass"``.
 
-``parallel`` (vocab-parallel) is imported here, by the front door and by ``invariant`` (its collectives) only.
+``parallel`` (vocab-parallel) is imported here and by the front door only.
 """
 from typing import Optional
 
@@ -100,23 +102,26 @@ def statistics(call: Call, request: int) -> StreamStats:
     distribution (``truncated_statistics``; the reference is then scored by ``reference_statistics``)."""
     if request & constants.HEAD:
         check_head(call)
-    if invariant.enabled():
-        return invariant_statistics(call, request)
+    fixed = invariant.enabled()
+    if fixed:
+        invariant.check_request(request)
+        request |= constants.INVARIANT
     if call.truncation is not None:
         return truncated_statistics(call._replace(ref=None), request)
     ref = None if call.ref is None else call.ref.x
-    if (call.shard is None and family(call) == "stream" and call.layout.pending
+    if (call.shard is None and family(call) == "stream" and call.layout.pending and not fixed
             and eager((call.policy.x, ref, call.temperature, call.layout.source))):
         # the target not made yet: made with the statistics, one op (``forward_labels``)
         return statistics_ops.dense_labels(call.policy.x, ref, call.layout, call.temperature, request, backend(call))
     rows = None
-    if (call.shard is None and call.layout.pending and one_tile(call.policy, call.ref, call.layout.shape.numel(),
+    if (call.shard is None and call.layout.pending and not fixed and one_tile(call.policy, call.ref, call.layout.shape.numel(),
                                                                  call.tile_elements)
             and eager((call.policy, call.temperature, call.layout.source))):
         # an LM head's one tile: its GEMM operand made with the target, one op (``Layout.scored_rows``)
         tile_rows, _ = plan(call.vocab, call.tile_elements)
         rows = call.layout.scored_rows(*one_tile_operand(call.policy, tile_rows))
-    args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, backend(call))
+    name = backend(call, "invariant" if fixed else None)
+    args = (call.policy, call.ref, call.layout.target, call.temperature, request, call.tile_elements, name)
     if call.shard is not None:
         return parallel.shard_statistics(*args, call.shard)
     return statistics_ops.local(*args, rows)
@@ -131,28 +136,6 @@ def check_head(call: Call):
     if where is not None:
         raise NotImplementedError(f"kltriton: is_top1, mean_logits and log_sum_sq_probs are not available with {where} "
                                   "yet")
-
-
-def invariant_statistics(call: Call, request: int) -> StreamStats:
-    """``statistics`` in the invariant mode: the policy's (truncated: ``truncated_statistics``) and the reference's,
-    each side in its own pass."""
-    invariant.check_request(request)
-    if call.truncation is not None:
-        return truncated_statistics(call._replace(ref=None), request)
-    name = backend(call, "invariant")
-    target, temperature = call.layout.target, call.temperature
-
-    def side_stats(side, side_request):
-        if side.weight is None:
-            return invariant.dense(side.x, target, temperature, None, side_request, name, call.shard)
-        return invariant.linear(side, target, temperature, side_request, name, call.tile_elements, call.shard)
-
-    stats = side_stats(call.policy, request & constants.ENTROPY)
-    if call.ref is None:
-        return stats
-    with torch.no_grad():
-        ref = side_stats(call.ref, 0)
-    return stats._replace(ref_logp=ref.logp, ref_lse=ref.lse)
 
 
 def reference_statistics(call: Call, request: int) -> StreamStats:
@@ -225,17 +208,14 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
             values = collectives.sum_over_ranks(values, group)
         return truncation_ops.replay_statistics(values, ids, target, temperature, request, name)
     knobs = truncation.row_knobs(layout.shape, layout.num_seqs, layout.seq_index, device, vocab)
-    name = backend(call, "truncation")
-    fixed = invariant.enabled()
+    fixed = bool(request & constants.INVARIANT)
+    name = backend(call, "invariant" if fixed else "truncation")
 
     def dense(rows, row_target, row_temperature, row_knobs):
-        if fixed:
-            floor = invariant.floor(rows, row_target, row_temperature, row_knobs, shard)
-            return invariant.dense(rows, row_target, row_temperature, floor, request & constants.ENTROPY,
-                                   backend(call, "invariant"), shard)
         if shard is not None:
             return parallel.shard_truncated(rows, row_target, row_temperature, row_knobs, request, name, shard)
-        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, None, request, name)[1]
+        floor = invariant.floor(rows, row_target, row_temperature, row_knobs) if fixed else None
+        return truncation_ops.truncated_forward(rows, row_target, row_temperature, row_knobs, floor, request, name)[1]
 
     if side.weight is None:
         return dense(side.x, target, temperature, knobs)

@@ -28,6 +28,10 @@ HEAD = 16
 # not; a sum of a few does), and every vocab piece's sum merges by addition.
 LOGIT_SUM_SCALE = 2.0 ** -33
 NEEDS_REF = REF | FULL_KL | FORWARD_KL  # the request bits that read the reference logits
+# A mode bit of a request, not a statistic: the rows' sums in fixed point, bitwise independent of where the vocabulary
+# is cut (the invariant mode, ``kltriton.kernels.invariant``). The statistics and truncation ops and the vocab-parallel
+# passes read it and run the ``invariant`` family; no kernel ever sees it.
+INVARIANT = 32
 # The statistics in the order of every bundle (``StreamStats``; the kernels' stacked ``[NUM_STATS, N]`` outputs,
 # indexed by position here), with the request bit that asks for each.
 STATISTICS = (("logp", 0), ("lse", 0), ("entropy", ENTROPY), ("ref_logp", REF), ("ref_lse", REF),

@@ -8,18 +8,24 @@ gradient basis (``statistics.gradient_basis``) and ``statistics_backward`` takes
 its hidden states, weight and bias. ``labels_here``: every scored target is a label of this vocabulary (False on a
 vocab shard, where a target ``>= V`` is a label another shard holds). ``rows``: the one-tile path's GEMM operand when
 it was made with the target (``_inputs.Layout.scored_rows``), else None.
+
+A request with ``constants.INVARIANT`` (the invariant mode) runs the ``invariant`` family's passes instead
+(``ops.invariant.statistics``: each side its own pass, an LM head by GEMMs of one fixed shape); the gradient is the
+same ``stream`` backward on their ``lse`` (an LM head's per fixed-shape tile, ``kernels.linear.fixed.backward``).
 """
 import functools
 
 import torch
 
 from kltriton import dispatch
-from kltriton.kernels import accumulation_dtype
+from kltriton.kernels import accumulation_dtype, constants
 from kltriton.kernels import statistics as table
 from kltriton.kernels.statistics import StreamStats
+from kltriton.kernels.linear import fixed
 from kltriton.kernels.linear.tiles import one_tile, plan
 from kltriton.kernels.stream import Upstream
 from kltriton._autograd import first_order, used_up
+from kltriton.ops import invariant as invariant_ops
 from kltriton.ops._define import (BASIS, BOOL, INT, MUTABLE, NEEDS_GRAD, OPTIONAL, SIDE, STR, TENSOR, UPSTREAM, NeedsGrad,
                                   define_op, eager)
 
@@ -29,15 +35,25 @@ def family(policy, ref) -> str:
     return "stream" if policy.weight is None and (ref is None or ref.weight is None) else "linear"
 
 
+def _keeps_tile(args) -> bool:
+    """Whether the forward keeps an LM head's one logits tile for the backward (``tiles.one_tile``)."""
+    return (family(args.policy, args.ref) == "linear" and args.labels_here and not args.request & constants.INVARIANT
+            and one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements))
+
+
 def _forward(args):
     """The statistics, and ``tile``: the one-tile path's logits tile, kept for the backward (``[0]`` otherwise)."""
     name = family(args.policy, args.ref)
-    impl = dispatch.implementation(name, args.backend)
     none = args.target.new_empty(0, dtype=torch.float32)
+    if args.request & constants.INVARIANT:
+        stats, _ = invariant_ops.statistics(args.policy, args.ref, args.target, args.target, args.target >= 0,
+                                            args.temperature, args.request, args.backend, args.tile_elements)
+        return (*stats, none)
+    impl = dispatch.implementation(name, args.backend)
     if name == "stream":
         return (*impl.forward(args.policy.x, None if args.ref is None else args.ref.x, args.target, args.temperature,
                               args.request), none)
-    if args.labels_here and one_tile(args.policy, args.ref, args.target.numel(), args.tile_elements):
+    if _keeps_tile(args):
         stats, tile = impl.one_tile_forward(args.policy, args.target, args.temperature, args.request,
                                             args.tile_elements, args.rows)
         return (*stats, tile)
@@ -50,8 +66,7 @@ def _forward_fake(args):
     n = args.target.shape[0]
     stats = table.empty_stats(n, args.request, lambda size: args.policy.x.new_empty(size, dtype=acc))
     tile = (0,)
-    if (family(args.policy, args.ref) == "linear" and args.labels_here
-            and one_tile(args.policy, args.ref, n, args.tile_elements)):
+    if _keeps_tile(args):
         tile = plan(args.policy.weight.shape[0], args.tile_elements)
     return (*stats, args.policy.x.new_empty(tile, dtype=acc if len(tile) > 1 else torch.float32))
 
@@ -64,6 +79,10 @@ def _no_gradients(side, gradients):
 
 def _backward_kernel(args):
     name = family(args.policy, args.ref)
+    if name == "linear" and args.invariant:  # the logits of the invariant mode's GEMMs, one fixed shape
+        return _no_gradients(args.policy, fixed.backward(
+            args.policy, args.target >= 0, args.target, args.temperature, args.lse, args.basis,
+            dispatch.implementation("stream", args.backend), args.needs_grad))
     impl = dispatch.implementation(name, args.backend)
     if name == "stream":
         grad = impl.backward(args.policy.x, None if args.ref is None else args.ref.x, args.target, args.temperature,
@@ -82,22 +101,26 @@ def empty_gradients(side, needs_grad):
 statistics_backward = define_op(
     "statistics_backward",
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("lse", TENSOR),
-            ("ref_lse", OPTIONAL), ("basis", BASIS), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT), ("backend", STR)),
+            ("ref_lse", OPTIONAL), ("basis", BASIS), ("needs_grad", NEEDS_GRAD), ("tile_elements", INT),
+            ("invariant", BOOL), ("backend", STR)),
     outputs=("d_x", "d_weight", "d_bias"), launch=_backward_kernel,
     fake=lambda args: empty_gradients(args.policy, (True, *args.needs_grad[1:]) if args.policy.weight is None else args.needs_grad))
 
 
-def gradients(policy, ref, target, temperature, tile_elements, backend, grads, stats, needs_grad, label_here=None):
+def gradients(policy, ref, target, temperature, tile_elements, backend, grads, stats, needs_grad, label_here=None,
+              invariant=False):
     """``(d_x, d_weight, d_bias)`` of upstream gradients ``grads`` (statistic name -> ``[N]`` or None) on the
     statistics ``stats`` of a forward of ``policy`` and ``ref`` (``needs_grad``: which of the three; the others come back
     empty). The reference is read only for the basis terms that need it (``Basis.reads_ref``). ``label_here``:
-    ``[N]`` bool, the rows whose label this vocab shard holds (the label term on those only)."""
+    ``[N]`` bool, the rows whose label this vocab shard holds (the label term on those only). ``invariant``: the
+    statistics of the invariant mode (an LM head's logits rebuilt by its GEMMs of one shape)."""
     basis = table.gradient_basis(grads, stats, temperature)
     if label_here is not None:
         basis = basis._replace(label=torch.where(label_here, basis.label, 0))
     with_ref = basis.reads_ref()
     return statistics_backward(policy, ref if with_ref else None, target, temperature, stats.lse,
-                               stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements, backend)
+                               stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements, invariant,
+                               backend)
 
 
 def _gradient_kernel(args):
@@ -170,7 +193,7 @@ def _backward(saved, grads):
         return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
     stats = StreamStats(*(getattr(saved, name) for name in table.NAMES))
     d = gradients(policy, ref, saved.target, saved.temperature, saved.tile_elements, saved.backend,
-                  grads, stats, needs_grad)
+                  grads, stats, needs_grad, invariant=bool(saved.request & constants.INVARIANT))
     return {"policy": tuple(g if w else None for g, w in zip(d, needs_grad))}
 
 
@@ -185,7 +208,7 @@ statistics = define_op(
     inputs=(("policy", SIDE), ("ref", SIDE), ("target", TENSOR), ("temperature", TENSOR), ("request", INT),
             ("tile_elements", INT), ("labels_here", BOOL), ("rows", OPTIONAL), ("backend", STR)),
     outputs=(*table.NAMES, "tile"), launch=_forward, fake=_forward_fake,
-    save=("policy", "ref", "target", "temperature", "tile_elements", "backend", *table.NAMES, "tile"),
+    save=("policy", "ref", "target", "temperature", "request", "tile_elements", "backend", *table.NAMES, "tile"),
     backward=_backward,
     materialize_grads=False,
     grad_outputs=lambda args: _differentiable(args.request))
@@ -227,10 +250,11 @@ class _DenseStatistics(torch.autograd.Function):
 
 def local(policy, ref, target, temperature, request, tile_elements, backend, rows=None) -> StreamStats:
     """``StreamStats`` of this rank's rows (every target a label of this vocabulary): the ``statistics`` op, or, for
-    dense logits in an eager call (``eager``: no ``torch.compile``, fake or functional tensor), the backend's kernels
-    called directly (``_DenseStatistics`` when the logits need a gradient). ``rows``: the op's (an LM head's one
+    dense logits in an eager call (``eager``: no ``torch.compile``, fake or functional tensor) outside the invariant
+    mode, the backend's kernels called directly (``_DenseStatistics`` when the logits need a gradient). ``rows``: the op's (an LM head's one
     tile)."""
-    if family(policy, ref) != "stream" or not eager((policy.x, None if ref is None else ref.x, target, temperature)):
+    if (family(policy, ref) != "stream" or request & constants.INVARIANT
+            or not eager((policy.x, None if ref is None else ref.x, target, temperature))):
         return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True, rows,
                                        backend)[:len(table.NAMES)])
     return dense(policy.x, None if ref is None else ref.x, target, temperature, request, backend)

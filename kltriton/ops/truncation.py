@@ -12,14 +12,19 @@ backward ``replay_backward``), each an op of its own so that ``torch.compile`` t
 import torch
 
 from kltriton import dispatch
-from kltriton.kernels import accumulation_dtype, statistics
+from kltriton.kernels import accumulation_dtype, constants, statistics
 from kltriton.kernels.statistics import StreamStats
+from kltriton.ops import invariant as invariant_ops
 from kltriton.ops._define import BASIS, DTYPE, INT, OPTIONAL, STR, TENSOR, define_op
 
 _ROWS = (("logits", TENSOR), ("target", TENSOR), ("temperature", TENSOR))
 
 
 def _forward(args):
+    if args.request & constants.INVARIANT:  # the invariant mode: fixed-point sums above the floor it was given
+        stats, _ = invariant_ops.dense_statistics(args.logits, args.target, args.target, args.target >= 0,
+                                                  args.temperature, args.floor, args.request, args.backend)
+        return (args.floor.clone(), *stats)
     floor, stats = dispatch.implementation("truncation", args.backend).forward(
         args.logits, args.target, args.temperature, args.top_k, args.top_p, args.min_p, args.floor, args.request)
     return (floor.clone() if floor is args.floor else floor, *stats)  # an output may not alias an input
@@ -79,7 +84,8 @@ _forward_op = define_op(
 
 def truncated_forward(logits, target, temperature, knobs, floor, request: int, backend: str):
     """``(floor [N], StreamStats)`` of the rows restricted to their kept set: ``floor`` None finds it from ``knobs``
-    (``kltriton.truncation.RowKnobs``) row by row, a given ``floor`` is used as it is."""
+    (``kltriton.truncation.RowKnobs``) row by row, a given ``floor`` is used as it is. A ``request`` with
+    ``constants.INVARIANT`` takes a given floor and the ``invariant`` family's sums (``ops.invariant``)."""
     out = _forward_op(logits, target, temperature, *knobs, floor, request, backend)
     return out[0], statistics.StreamStats(*out[1:])
 

@@ -23,7 +23,7 @@ from helpers import (
     MIXED_GRAD_RTOL, assert_close, awkward_logits, close_rank, exit_rank, grad_tols, random_labels, record,
     spawned_backends, value_atol)
 from kltriton import dispatch
-from kltriton.kernels.constants import ENTROPY
+from kltriton.kernels.constants import ENTROPY, INVARIANT
 from kltriton.kernels.linear import fixed
 
 SMALL_GEOMETRY = (16, 64)  # GEMMs of 16 rows x 64 ids: windows, an overlapping last one and padding at test sizes
@@ -245,8 +245,11 @@ def test_compiled_equals_eager(invariant, backend):
 
 
 def test_opcheck(backend):
-    """The invariant ops as ``torch.library`` custom ops (schema, fake tensors, no aliasing): ``opcheck``."""
+    """The invariant ops, and the truncation op in this mode, as ``torch.library`` custom ops (schema, fake tensors,
+    no aliasing, autograd registration): ``opcheck``. (The statistics op's are in ``test_torch_library`` and
+    ``test_linear_logits``.)"""
     from kltriton.ops import invariant as ops
+    from kltriton.ops import truncation as truncation_ops
 
     gen = torch.Generator().manual_seed(9)
     logits = _logits((6, 67), torch.float32, gen)
@@ -255,10 +258,14 @@ def test_opcheck(backend):
     floor = torch.full((6,), -1.0)
     row_max, sums = ops.forward(logits, target, temperature, None, ENTROPY, backend)
     label = logits.gather(1, target.clamp(min=0)[:, None]).squeeze(1).double()
+    knobs = (torch.zeros(6, dtype=torch.int64), torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64))
     cases = [(ops._maxima, (logits, target, floor, backend)),
              (ops._sums, (logits, target, temperature, row_max, None, ENTROPY, backend)),
              (ops._forward, (logits, target, temperature, floor, 0, backend)),
-             (ops._finalize, (row_max, sums, label, target >= 0, target, temperature, ENTROPY, torch.float32))]
+             (ops._finalize, (row_max, sums, label, target >= 0, target, temperature, ENTROPY, torch.float32)),
+             # the truncation op in this mode: the invariant sums above the floor it is given
+             (truncation_ops._forward_op, (logits.requires_grad_(), target, temperature, *knobs, floor,
+                                           ENTROPY | INVARIANT, backend))]
     for op, args in cases:
         torch.library.opcheck(op.overload, op.flatten(*args))
 

@@ -15,6 +15,7 @@ import torch
 import kltriton
 from kltriton import LinearLogits, dispatch
 from kltriton.kernels import SKIP
+from kltriton.kernels.constants import INVARIANT
 from kltriton.kernels.linear import tiles
 from kltriton.kernels import statistics
 from kltriton.kernels.linear import Side
@@ -256,7 +257,16 @@ def op_samples(backend):
                                       statistics.StreamStats(*stats[:len(statistics.NAMES)]),
                                       torch.tensor(1.0, dtype=torch.float64))
     yield statistics_backward, (policy, ref, target, scalar(1.0), stats[1], stats[4], basis, NeedsGrad(True, True, True),
-                                SMALL_TILE, backend)
+                                SMALL_TILE, False, backend)
+    # the invariant mode: each side its own pass, the logits of GEMMs of one fixed shape, forward and backward
+    fixed = statistics.request(entropy=True, ref=True) | INVARIANT
+    yield statistics_op, (Side(h, w, b, scalar(0.5), None), ref, target, scalar(0.9), fixed, SMALL_TILE, True, None,
+                          backend)
+    stats = statistics_op(policy, None, target, scalar(0.9), fixed, SMALL_TILE, True, None, backend)
+    basis = statistics.gradient_basis({"logp": torch.randn(6), "entropy": torch.randn(6)},
+                                      statistics.StreamStats(*stats[:len(statistics.NAMES)]), scalar(0.9))
+    yield statistics_backward, (policy, None, target, scalar(0.9), stats[1], None, basis, NeedsGrad(True, True, True),
+                                SMALL_TILE, True, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", pytest.param("triton", marks=pytest.mark.slow)])

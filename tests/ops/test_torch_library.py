@@ -7,6 +7,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import kltriton
 from kltriton import dispatch
 from kltriton.kernels import SKIP
+from kltriton.kernels.constants import INVARIANT
 from kltriton.kernels import statistics
 from kltriton.kernels.linear import Side
 from kltriton.ops._define import NeedsGrad
@@ -28,16 +29,19 @@ def op_samples(backend):
             (ref, True, True, 0.9), (ref, False, True, 1.0)):
         wanted = statistics.request(entropy=with_entropy, ref=ref_logits is not None, full_kl=with_full_kl)
         yield statistics_op, (dense(logits), dense(ref_logits), target, scalar(temperature), wanted, 0, True, None, backend)
+    # the invariant mode: the ``invariant`` family's passes, each side its own
+    yield statistics_op, (dense(logits), dense(ref), target, scalar(0.7),
+                          statistics.request(entropy=True, ref=True) | INVARIANT, 0, True, None, backend)
     impl = dispatch.implementation("stream", backend)
     stats = impl.forward(logits.detach(), ref, target, scalar(1.0), statistics.request(entropy=True, ref=True,
                                                                                          full_kl=True))
     g = torch.randn(6)
     full = statistics.gradient_basis({"logp": g, "entropy": g, "full_kl": g}, stats, scalar(1.0))
     yield statistics_backward, (dense(logits.detach()), dense(ref), target, scalar(1.0), stats.lse, stats.ref_lse, full,
-                                NeedsGrad(True, False, False), 0, backend)
+                                NeedsGrad(True, False, False), 0, False, backend)
     plain = statistics.gradient_basis({"logp": g}, stats, scalar(0.8))
     yield statistics_backward, (dense(logits.detach()), None, target, scalar(0.8), stats.lse, None, plain,
-                                NeedsGrad(True, False, False), 0, backend)
+                                NeedsGrad(True, False, False), 0, False, backend)
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpp", "triton"])
@@ -61,7 +65,7 @@ def test_eager_dense_path_equals_the_registered_op(backend_name):
     if not usable:
         pytest.skip(why)
     for op, args in op_samples(backend_name):
-        if op is not statistics_op:
+        if op is not statistics_op or args[4] & INVARIANT:  # (the invariant mode always takes the op)
             continue
         policy, ref, target, temperature, request = args[:5]
 
