@@ -25,9 +25,9 @@ the target with the statistics (``dense_labels``, ``Layout.scored_rows``) are th
 skipped; ``policy_loss`` takes its two-pass route, and the exact KL over the vocabulary and ``token_divergence``
 raise (``invariant.refuse``).
 
-``policy_loss`` (``loss_route``) is ``"fused"`` (its gradient written in the forward) unless one of these holds,
-then ``"two-pass"`` (the statistics, the formulas of ``kernels.loss.terms`` in PyTorch, autograd; the logits are
-read again in the backward):
+``policy_loss`` (``loss_route``) is ``"fused"`` (its gradient written in the forward) unless a rule of
+``LOSS_TWO_PASS`` holds, then ``"two-pass"`` (the statistics, the formulas of ``kernels.loss.terms`` in PyTorch,
+autograd; the logits are read again in the backward):
 
 | rule                                                                  | why                                          |
 |-----------------------------------------------------------------------|----------------------------------------------|
@@ -38,12 +38,20 @@ read again in the backward):
 | a dense policy with an LM-head reference                              | the fused kernels read one kind of side      |
 | the invariant mode                                                    | the fused kernels' sums are the ``stream`` family's |
 
-``token_divergence`` (``divergence_route``) is ``"fused"`` with a reduction, a dense teacher (logits or an LM
-head), no vocab sharding and not a dense student with an LM-head teacher; else ``"two-pass"``.
+``token_divergence`` (``divergence_route``) is ``"fused"`` unless a rule of ``DIVERGENCE_TWO_PASS`` holds:
+
+| rule                                                                  | why                                          |
+|-----------------------------------------------------------------------|----------------------------------------------|
+| no reduction (``reduction="none"``)                                   | the per-token divergences are the output     |
+| a top-k teacher (``TopK``)                                            | its columns are a pass of their own          |
+| the logits are vocab-sharded                                          | the derivative needs the global statistics   |
+| a dense student with an LM-head teacher                               | the fused kernels read one kind of side      |
+
+(In the invariant mode ``token_divergence`` raises.)
 
 ``parallel`` (vocab-parallel) is imported here and by the front door only.
 """
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -144,13 +152,56 @@ def reference_statistics(call: Call, request: int) -> StreamStats:
         return statistics(call._replace(policy=call.ref, ref=None, truncation=None), request)
 
 
+class Rule(NamedTuple):
+    """A row of a route's table (the module docstring's): what sends a call to the two-pass route, and why."""
+    what: str
+    why: str
+    holds: Callable  # (call, *the route's arguments) -> bool
+
+
+def _dense_with_head_reference(call: Call) -> bool:
+    return call.policy.weight is None and call.ref is not None and call.ref.weight is not None
+
+
+# (call, loss_type, whole_sequences): ``whole_sequences``, the loss's per-row inputs need the whole sequences' new
+# log-probs.
+LOSS_TWO_PASS = (
+    Rule("the loss type is not in ``terms.FUSED`` (a sequence-level or batch loss)",
+         "a row's derivative needs other rows first", lambda call, loss_type, whole: loss_type not in terms.FUSED),
+    Rule("the per-row inputs need the whole sequences (sequence-level IS, on-policy rollout IS, the off-policy mask, "
+         "a masked entropy bonus)", "the same", lambda call, loss_type, whole: whole),
+    Rule("the logits are vocab-sharded", "the derivative needs the global statistics",
+         lambda call, *_: call.shard is not None),
+    Rule("a truncation", "the kept set is not a fused kernel's", lambda call, *_: call.truncation is not None),
+    Rule("a dense policy with an LM-head reference", "the fused kernels read one kind of side",
+         lambda call, *_: _dense_with_head_reference(call)),
+    Rule("the invariant mode", "the fused kernels' sums are the ``stream`` family's",
+         lambda call, *_: invariant.enabled()),
+)
+
+# (call, reduction)
+DIVERGENCE_TWO_PASS = (
+    Rule('no reduction (``reduction="none"``)', "the per-token divergences are the output",
+         lambda call, reduction: reduction == "none"),
+    Rule("a top-k teacher (``TopK``)", "its columns are a pass of their own", lambda call, _: call.topk is not None),
+    Rule("the logits are vocab-sharded", "the derivative needs the global statistics",
+         lambda call, _: call.shard is not None),
+    Rule("a dense student with an LM-head teacher", "the fused kernels read one kind of side",
+         lambda call, _: _dense_with_head_reference(call)),
+)
+
+
+def two_pass_rule(rules, call: Call, *args) -> Optional[Rule]:
+    """The first of ``rules`` (``LOSS_TWO_PASS``, ``DIVERGENCE_TWO_PASS``) that holds for the call, or None."""
+    for rule in rules:
+        if rule.holds(call, *args):
+            return rule
+    return None
+
+
 def loss_route(call: Call, loss_type: str, whole_sequences: bool) -> str:
-    """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (the module docstring's rules). ``whole_sequences``: the
-    loss's per-row inputs need the whole sequences' new log-probs."""
-    fused = (loss_type in terms.FUSED and not whole_sequences and call.shard is None and call.truncation is None
-             and (call.policy.weight is not None or call.ref is None or call.ref.weight is None)
-             and not invariant.enabled())
-    return "fused" if fused else "two-pass"
+    """``"fused"`` or ``"two-pass"`` for ``policy_loss`` (``LOSS_TWO_PASS``)."""
+    return "fused" if two_pass_rule(LOSS_TWO_PASS, call, loss_type, whole_sequences) is None else "two-pass"
 
 
 def fused_loss(call: Call, inputs, hyperparameters, loss_type, estimator: str, entropy_grad: bool, with_entropy: bool = True,
@@ -238,12 +289,10 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
 # --- distillation -----------------------------------------------------------------------------------------------
 
 def divergence_route(call: Call, reduction: str) -> str:
-    """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (the module docstring's rule)."""
+    """``"fused"`` or ``"two-pass"`` for ``token_divergence`` (``DIVERGENCE_TWO_PASS``)."""
     if invariant.enabled():
         invariant.refuse("token_divergence")
-    fused = (reduction != "none" and call.topk is None and call.shard is None
-             and (call.policy.weight is not None or call.ref.weight is None))
-    return "fused" if fused else "two-pass"
+    return "fused" if two_pass_rule(DIVERGENCE_TWO_PASS, call, reduction) is None else "two-pass"
 
 
 def divergence(call: Call, kind: str, beta, entropy: bool):

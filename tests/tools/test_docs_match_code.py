@@ -90,3 +90,13 @@ def test_policy_loss_page_documents_every_metric():
             "outside_support_frac"} <= names
     undocumented = sorted(name for name in names if f"`{name}`" not in metrics)
     assert not undocumented
+
+
+def test_route_docstring_tables_are_the_rules_in_code():
+    """``route``'s docstring tables of two-pass rules list ``LOSS_TWO_PASS`` and ``DIVERGENCE_TWO_PASS``, in order."""
+    from kltriton import route
+
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in route.__doc__.splitlines() if line.startswith("| ") and not line.startswith("| rule ")]
+    rules = [[rule.what, rule.why] for rule in route.LOSS_TWO_PASS + route.DIVERGENCE_TWO_PASS]
+    assert [row for row in rows if len(row) == 2] == rules
