@@ -7,8 +7,9 @@ subprocess with its own time limit so that one failing or slow step never stops 
    machines have no network) installed into ``DIR/site`` and put on ``PYTHONPATH`` for the steps.
 2. ``check``: every kernel family's main variants on CUDA against the float64 reference
    (``tests/properties/test_device_families.py`` with ``KLTRITON_TEST_DEVICE=cuda``, a vocabulary of 151,936, bf16
-   and fp32); JUnit XML and the log in ``DIR``. (The whole suite is written for CPU tensors and would spend the lease
-   compiling.)
+   and fp32), split over ``CHECK_PROCESSES`` pytest processes at once (``KLTRITON_TEST_SPLIT``) so that their
+   kernels compile in parallel, into one Triton cache the later steps reuse; JUnit XML and a log per process in
+   ``DIR``. (The whole suite is written for CPU tensors and would spend the lease compiling.)
 3. ``host``: ``python -m benchmarks host --device cuda``: per public call the ops dispatched, the host reads, the
    kernel launches (the profiler's) and the host time against eager.
 4. ``bench_<op>``: the ``gpu`` benchmark grid (N 256 and 8192, V 32000 and 151936, bf16) of every op with every
@@ -41,24 +42,35 @@ OPS = ("token_logprobs", "token_kl", "fused_kl_reward", "policy_loss")
 LIMITS = {"wheels": 20, "check": 150, "host": 45, "bench_token_logprobs": 55, "bench_token_kl": 55,
           "bench_fused_kl_reward": 55, "bench_policy_loss": 55, "plots": 10, "static": 120}
 CHECK = "tests/properties/test_device_families.py"
+CHECK_PROCESSES = 4  # the check's tests (21) split over processes that compile at once (16 cores on the GPU machines)
+
+
+def _check(out: Path, py: str):
+    """The check step's commands: one pytest process per part of the tests, each with a share of the CPU threads
+    (the float64 reference runs there)."""
+    threads = str(max(1, (os.cpu_count() or 1) // CHECK_PROCESSES))
+    return [([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / f'check-{i}.xml'}", CHECK],
+             {"KLTRITON_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0", "KLTRITON_TEST_SPLIT": f"{i}/{CHECK_PROCESSES}",
+              "OMP_NUM_THREADS": threads})
+            for i in range(CHECK_PROCESSES)]
 
 
 def steps(out: Path, wheels: Path = None, arch: int = 90, static: bool = False):
-    """``(name, argv, extra environment)`` of every step, in order."""
+    """``(name, [(argv, extra environment), ...])`` of every step, in order: a step's commands run at once."""
     py = sys.executable
     found = []
     if wheels is not None and any(wheels.glob("*.whl")):
-        found.append(("wheels", [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                                 "--target", str(out / "site"), *sorted(str(w) for w in wheels.glob("*.whl"))], {}))
-    found.append(("check", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'check.xml'}",
-                            CHECK], {"KLTRITON_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0"}))
-    found.append(("host", [py, "-m", "benchmarks", "host", "--device", "cuda", "--seconds", "0.5", "--out", str(out)],
-                  {"TRITON_INTERPRET": "0"}))
+        found.append(("wheels", [([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                                   "--target", str(out / "site"), *sorted(str(w) for w in wheels.glob("*.whl"))],
+                                  {})]))
+    found.append(("check", _check(out, py)))
+    found.append(("host", [([py, "-m", "benchmarks", "host", "--device", "cuda", "--seconds", "0.5", "--out",
+                             str(out)], {"TRITON_INTERPRET": "0"})]))
     for op in OPS:
-        found.append((f"bench_{op}", [py, "-c", BENCH, op, str(out)], {"TRITON_INTERPRET": "0"}))
+        found.append((f"bench_{op}", [([py, "-c", BENCH, op, str(out)], {"TRITON_INTERPRET": "0"})]))
     if static:
-        found.append(("static", [py, "-m", "benchmarks", "static", "--arch", str(arch), "--jobs",
-                                 str(os.cpu_count() or 1), "--out", str(out)], {"TRITON_INTERPRET": "0"}))
+        found.append(("static", [([py, "-m", "benchmarks", "static", "--arch", str(arch), "--jobs",
+                                   str(os.cpu_count() or 1), "--out", str(out)], {"TRITON_INTERPRET": "0"})]))
     return found
 
 
@@ -84,24 +96,36 @@ def bench(op: str, out: str, grid: str = "gpu", device: str = "cuda") -> Path:
     return path
 
 
-def _run_step(name, argv, extra_env, out: Path) -> dict:
-    env = dict(os.environ, **extra_env)
+def _run_step(name, commands, out: Path) -> dict:
+    """Run a step's commands at once, each logging to ``DIR/<name>[-i].log``, all stopped at the step's limit."""
     site = out / "site"
-    if site.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    logs = [out / (f"{name}.log" if len(commands) == 1 else f"{name}-{i}.log") for i in range(len(commands))]
     start = time.monotonic()
-    log = out / f"{name}.log"
+    running, status = [], "ok"
     try:
-        with open(log, "w") as f:
-            done = subprocess.run(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=LIMITS[name])
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
+        for (argv, extra_env), log in zip(commands, logs):
+            env = dict(os.environ, **extra_env)
+            if site.is_dir():
+                env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+                    os.pathsep)
+            with open(log, "w") as f:
+                running.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+        for process in running:
+            code = process.wait(timeout=max(0.0, start + LIMITS[name] - time.monotonic()))
+            if code != 0 and status == "ok":
+                status = f"exit {code}"
     except subprocess.TimeoutExpired:
         status = f"stopped at its {LIMITS[name]} s limit"
     except OSError as err:
         status = f"could not start: {err}"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    tails = [log.read_text(errors="replace").strip().splitlines()[-1:] for log in logs if log.exists()]
     return {"step": name, "status": status, "seconds": round(time.monotonic() - start, 1),
-            "last_line": tail[0] if tail else ""}
+            "last_line": " / ".join(tail[0] for tail in tails if tail)}
 
 
 def summary_table(rows) -> str:
@@ -153,23 +177,24 @@ def main(argv=None) -> int:
     plan = steps(args.out, args.wheels, arch, args.static)
     if args.dry_run:
         print(f"benchmarks gpu --out {args.out}: {len(plan)} steps, time limits sum to "
-              f"{sum(LIMITS[name] for name, _, _ in plan)} s (+ plots {LIMITS['plots']} s)")
-        for name, cmd, extra_env in plan:
-            env = " ".join(f"{k}={v}" for k, v in extra_env.items())
-            print(f"[{name}, {LIMITS[name]} s] {env + ' ' if env else ''}{shlex.join(str(c) for c in cmd)}")
+              f"{sum(LIMITS[name] for name, _ in plan)} s (+ plots {LIMITS['plots']} s)")
+        for name, commands in plan:
+            for cmd, extra_env in commands:  # a step's commands run at once
+                env = " ".join(f"{k}={v}" for k, v in extra_env.items())
+                print(f"[{name}, {LIMITS[name]} s] {env + ' ' if env else ''}{shlex.join(str(c) for c in cmd)}")
         print(f"[plots, {LIMITS['plots']} s] python -m benchmarks plot <each cuda-gpu_*.json>")
         print(f"then {args.out / 'summary.md'} and summary.json")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, cmd, extra_env in plan:
-        results.append(_run_step(name, cmd, extra_env, args.out))
+    for name, commands in plan:
+        results.append(_run_step(name, commands, args.out))
         print(f"{name:24s} {results[-1]['status']:30s} {results[-1]['seconds']:6.1f} s  {results[-1]['last_line']}",
               flush=True)
     rows = []
     for path in sorted(args.out.glob("cuda-gpu_*.json")):
         rows += json.loads(path.read_text())
-        results.append(_run_step("plots", [sys.executable, "-m", "benchmarks", "plot", str(path)], {}, args.out))
+        results.append(_run_step("plots", [([sys.executable, "-m", "benchmarks", "plot", str(path)], {})], args.out))
     table = summary_table(rows) if rows else "no benchmark rows were written"
     steps_md = "\n".join(f"| {r['step']} | {r['status']} | {r['seconds']} |" for r in results)
     (args.out / "summary.md").write_text(f"| step | status | s |\n|---|---|---|\n{steps_md}\n\n{table}\n")

@@ -23,6 +23,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer than 30 s; deselect with -m 'not slow'")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``KLTRITON_TEST_SPLIT=i/k``: keep every k-th collected test from the i-th (0-based), so that k processes run
+    a selection between them, each compiling its own kernels (``python -m benchmarks gpu``'s check step)."""
+    split = os.environ.get("KLTRITON_TEST_SPLIT")
+    if not split:
+        return
+    index, parts = (int(part) for part in split.split("/"))
+    if not 0 <= index < parts:
+        raise pytest.UsageError(f"KLTRITON_TEST_SPLIT must be i/k with 0 <= i < k, got {split!r}")
+    kept = items[index::parts]
+    kept_ids = {id(item) for item in kept}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+    items[:] = kept
+
+
 # Messages of a CPU tensor reaching Triton with the interpreter off (kltriton.dispatch.resolve, Triton's
 # launcher): on a GPU run, the tests written for CPU tensors through the interpreter report these as
 # skips, not failures. Nothing else is converted.
