@@ -7,9 +7,10 @@ subprocess with its own time limit so that one failing or slow step never stops 
    machines have no network) installed into ``DIR/site`` and put on ``PYTHONPATH`` for the steps.
 2. ``check``: every kernel family's main variants on CUDA against the float64 reference
    (``tests/properties/test_device_families.py`` with ``KLTRITON_TEST_DEVICE=cuda``, a vocabulary of 151,936, bf16
-   and fp32), split over ``CHECK_PROCESSES`` pytest processes at once (``KLTRITON_TEST_SPLIT``) so that their
-   kernels compile in parallel, into one Triton cache the later steps reuse; JUnit XML and a log per process in
-   ``DIR``. (The whole suite is written for CPU tensors and would spend the lease compiling.)
+   and fp32) and every public call captured in a CUDA graph and replayed, its eager call without a synchronization
+   (``tests/properties/test_cuda_graphs.py``), split over ``CHECK_PROCESSES`` pytest processes at once
+   (``KLTRITON_TEST_SPLIT``) so that their kernels compile in parallel, into one Triton cache the later steps reuse;
+   JUnit XML and a log per process in ``DIR``. (The whole suite is written for CPU tensors and would spend the lease compiling.)
 3. ``host``: ``python -m benchmarks host --device cuda``: per public call the ops dispatched, the host reads, the
    kernel launches (the profiler's) and the host time against eager.
 4. ``bench_<op>``: the ``gpu`` benchmark grid (N 256 and 8192, V 32000 and 151936, bf16) of every op with every
@@ -41,15 +42,15 @@ OPS = ("token_logprobs", "token_kl", "fused_kl_reward", "policy_loss")
 # 45 s on 16 cores.
 LIMITS = {"wheels": 20, "check": 150, "host": 45, "bench_token_logprobs": 55, "bench_token_kl": 55,
           "bench_fused_kl_reward": 55, "bench_policy_loss": 55, "plots": 10, "static": 120}
-CHECK = "tests/properties/test_device_families.py"
-CHECK_PROCESSES = 4  # the check's tests (21) split over processes that compile at once (16 cores on the GPU machines)
+CHECK = ("tests/properties/test_device_families.py", "tests/properties/test_cuda_graphs.py")
+CHECK_PROCESSES = 4  # the check's tests (27) split over processes that compile at once (16 cores on the GPU machines)
 
 
 def _check(out: Path, py: str):
     """The check step's commands: one pytest process per part of the tests, each with a share of the CPU threads
     (the float64 reference runs there)."""
     threads = str(max(1, (os.cpu_count() or 1) // CHECK_PROCESSES))
-    return [([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / f'check-{i}.xml'}", CHECK],
+    return [([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / f'check-{i}.xml'}", *CHECK],
              {"KLTRITON_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0", "KLTRITON_TEST_SPLIT": f"{i}/{CHECK_PROCESSES}",
               "OMP_NUM_THREADS": threads})
             for i in range(CHECK_PROCESSES)]

@@ -151,8 +151,9 @@ def head_statistics(side: Side, target, label, temperature, request: int, backen
     request &= constants.ENTROPY
     reduce_max, reduce_sum = reduce if reduce is not None else (_identity, _identity)
     side = Side(*(t.detach() if isinstance(t, torch.Tensor) else t for t in side))
-    row_max, packed = fixed.forward(side, target >= 0, label, temperature, request,
-                                    dispatch.implementation("invariant", backend), tile_elements, reduce_max, reduce_sum)
+    kernels = dispatch.implementation("invariant", backend)
+    row_max, packed = fixed.forward(side, target >= 0, label, temperature, request, kernels, tile_elements, reduce_max,
+                                    reduce_sum)
     row_sums, held, value = unpack(packed)
     stats = finalize(row_max, row_sums, value, held, target, temperature, request,
                      accumulation_dtype(side.x.dtype))

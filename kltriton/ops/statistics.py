@@ -119,8 +119,8 @@ def gradients(policy, ref, target, temperature, tile_elements, backend, grads, s
         basis = basis._replace(label=torch.where(label_here, basis.label, 0))
     with_ref = basis.reads_ref()
     return statistics_backward(policy, ref if with_ref else None, target, temperature, stats.lse,
-                               stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements, invariant,
-                               backend)
+                               stats.ref_lse if with_ref else None, basis, NeedsGrad(*needs_grad), tile_elements,
+                               invariant, backend)
 
 
 def _gradient_kernel(args):

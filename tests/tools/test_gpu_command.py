@@ -48,7 +48,7 @@ def test_check_processes_split_the_tests_between_them(tmp_path):
 
     def collected(extra_env):
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                               gpu.CHECK], cwd=gpu.REPO, env=dict(os.environ, **extra_env), capture_output=True,
+                               *gpu.CHECK], cwd=gpu.REPO, env=dict(os.environ, **extra_env), capture_output=True,
                               text=True, check=True)
         return [line for line in done.stdout.splitlines() if "::" in line]
 
