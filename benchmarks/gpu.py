@@ -10,7 +10,8 @@ subprocess with its own time limit so that one failing or slow step never stops 
    and fp32) and every public call captured in a CUDA graph and replayed, its eager call without a synchronization
    (``tests/properties/test_cuda_graphs.py``), split over ``CHECK_PROCESSES`` pytest processes at once
    (``KLTRITON_TEST_SPLIT``) so that their kernels compile in parallel, into one Triton cache the later steps reuse;
-   JUnit XML and a log per process in ``DIR``. (The whole suite is written for CPU tensors and would spend the lease compiling.)
+   JUnit XML and a log per process in ``DIR``. (The whole suite is written for CPU tensors and would spend the lease
+   compiling.)
 3. ``host``: ``python -m benchmarks host --device cuda``: per public call the ops dispatched, the host reads, the
    kernel launches (the profiler's) and the host time against eager.
 4. ``bench_<op>``: the ``gpu`` benchmark grid (N 256 and 8192, V 32000 and 151936, bf16) of every op with every

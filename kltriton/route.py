@@ -122,8 +122,8 @@ def statistics(call: Call, request: int) -> StreamStats:
         # the target not made yet: made with the statistics, one op (``forward_labels``)
         return statistics_ops.dense_labels(call.policy.x, ref, call.layout, call.temperature, request, backend(call))
     rows = None
-    if (call.shard is None and call.layout.pending and not fixed and one_tile(call.policy, call.ref, call.layout.shape.numel(),
-                                                                 call.tile_elements)
+    if (call.shard is None and call.layout.pending and not fixed
+            and one_tile(call.policy, call.ref, call.layout.shape.numel(), call.tile_elements)
             and eager((call.policy, call.temperature, call.layout.source))):
         # an LM head's one tile: its GEMM operand made with the target, one op (``Layout.scored_rows``)
         tile_rows, _ = plan(call.vocab, call.tile_elements)

@@ -251,8 +251,8 @@ class _DenseStatistics(torch.autograd.Function):
 def local(policy, ref, target, temperature, request, tile_elements, backend, rows=None) -> StreamStats:
     """``StreamStats`` of this rank's rows (every target a label of this vocabulary): the ``statistics`` op, or, for
     dense logits in an eager call (``eager``: no ``torch.compile``, fake or functional tensor) outside the invariant
-    mode, the backend's kernels called directly (``_DenseStatistics`` when the logits need a gradient). ``rows``: the op's (an LM head's one
-    tile)."""
+    mode, the backend's kernels called directly (``_DenseStatistics`` when the logits need a gradient). ``rows``: the
+    op's (an LM head's one tile)."""
     if (family(policy, ref) != "stream" or request & constants.INVARIANT
             or not eager((policy.x, None if ref is None else ref.x, target, temperature))):
         return StreamStats(*statistics(policy, ref, target, temperature, request, tile_elements, True, rows,
