@@ -38,6 +38,11 @@ def set_validation(enabled) -> object:
     return previous
 
 
+def validating() -> bool:
+    """Whether the value checks run at all (validation on, and not while ``torch.compile`` traces)."""
+    return _VALIDATE is not False and not torch.compiler.is_compiling()
+
+
 def host_checks(device=None) -> bool:
     """Whether to run the checks that read values on the host: on CPU tensors (``device`` None or a CPU device)
     unless validation is off, on a device only with ``set_validation("sync")``; never while ``torch.compile``
@@ -315,7 +320,7 @@ def build_layout(shape, vocab, device, labels, *, ignore_index, mask, cu_seqlens
         num_seqs = shape.numel() // shape[-1] if shape[-1] else shape[:-1].numel()
     else:
         num_seqs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
-    check = _VALIDATE is not False and not torch.compiler.is_compiling()
+    check = validating()
     context = {"device": device, "vocab": vocab, "ignore_index": ignore_index, "spans": spans, "n": shape.numel(),
                "split": split is not None} if check and (_VALIDATE == "sync" or device.type == "cpu") else None
     if split is None and not isinstance(vocab, torch.Tensor):

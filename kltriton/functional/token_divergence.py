@@ -12,13 +12,14 @@ from typing import Optional
 import torch
 
 from kltriton import route
-from kltriton._inputs import host_checks
+from kltriton._inputs import host_checks, validating
 from kltriton._values import check_float, runtime_scalar
 from kltriton.front_door import enter
-from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
-from kltriton.kernels.layout import RowWeights
+from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype, constants
+from kltriton.kernels.layout import RowWeights, record
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.loss.weights import Sequences
+from kltriton.ops.layout import flag_vector
 from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -120,12 +121,22 @@ def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, 
 
 
 def _topk_ids(teacher: TopK, vocab):
-    """``[N, K]`` int64 ids; with the host checks on, every id in ``[-1, V)``."""
+    """``(ids, bad_rows)``: ``[N, K]`` int64 ids, and ``[N]`` bool, the rows that held an id outside ``[-1, V)``
+    (None: none can). With validation on such an id raises at once on CPU (or with ``set_validation("sync")``); on
+    a device it is recorded in the device's flag vector (``kltriton.check_inputs()`` raises it), read as padding,
+    and its row gives NaN: no host read."""
     ids = teacher.ids.reshape(-1, teacher.ids.shape[-1]).long()
-    if host_checks() and ids.numel() and bool(((ids < -1) | (ids >= vocab)).any()):
-        bad = ids[(ids < -1) | (ids >= vocab)][0].item()
-        raise ValueError(f"teacher TopK ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
-    return ids
+    if not (validating() and ids.numel()):
+        return ids, None
+    bad = (ids < -1) | (ids >= vocab)
+    if host_checks(ids.device):
+        if bool(bad.any()):
+            raise ValueError(f"teacher TopK ids must lie in [0, V={vocab}) or be -1 (padding); found "
+                             f"{ids[bad][0].item()}")
+        return ids, None
+    first_bad = ids.reshape(-1)[bad.reshape(-1).to(torch.int8).argmax()]
+    record(flag_vector(ids.device), constants.BAD_TOPK_ID, bad.any(), (("topk_id", first_bad),))
+    return ids.masked_fill(bad, -1), bad.any(1)
 
 
 # --- public function ----------------------------------------------------------------------------------------------
@@ -218,12 +229,13 @@ def token_divergence(
     beta_t = runtime_scalar(beta, call.device)
 
     if call.topk is not None:
-        ids = _topk_ids(call.topk, call.vocab)
+        ids, bad_rows = _topk_ids(call.topk, call.vocab)
         student_logp, entropy = route.columns(call, ids, return_entropy)
         value = topk_divergence(student_logp, call.topk.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
                                 tail, call.vocab, call.topk.min_logprob).to(acc)
         value = torch.where(scored, value, torch.zeros_like(value))
-        value = torch.where(target == OUT_OF_RANGE, torch.full_like(value, float("nan")), value)
+        nan_rows = target == OUT_OF_RANGE if bad_rows is None else (target == OUT_OF_RANGE) | (bad_rows & scored)
+        value = torch.where(nan_rows, torch.full_like(value, float("nan")), value)
         loss = None if weight is None else (weight * value).sum()
     elif route.divergence_route(call, reduction) == "fused":
         loss, value, entropy = route.divergence_loss(call, kind, beta_t, weight, return_entropy)

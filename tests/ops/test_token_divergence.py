@@ -424,6 +424,58 @@ def test_topk_repeated_ids_count_once(backend):
         assert_close(results[0][0], expected, 2e-5, 1e-5, what=divergence)
 
 
+def test_topk_bad_id_on_a_device_is_flagged_without_a_host_read(backend, monkeypatch):
+    """On a device a ``TopK`` id outside ``[-1, V)`` is not read on the host: it is recorded in the device's flag
+    vector and read as padding, its position gives NaN, every other position and the gradient there are the call's
+    without it, and ``kltriton.check_inputs()`` raises it (once). Run on CPU with the host check off, as on a
+    device (on CPU the call raises at once: ``test_bad_input``)."""
+    from kltriton.functional import token_divergence as module
+
+    gen = torch.Generator().manual_seed(35)
+    student = random_logits((2, 3, 50), torch.float32, generator=gen)
+    ids, logp = _topk_teacher(random_logits((2, 3, 50), torch.float32, generator=gen), 4, gen, pad=True)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    bad_ids = ids.clone()
+    bad_ids[1, 2, 0] = 99
+
+    def run(teacher_ids):
+        x = student.clone().requires_grad_()
+        out = kltriton.token_divergence(x, kltriton.TopK(teacher_ids, logp), labels, backend=backend)
+        out.masked_fill(out.isnan(), 0).sum().backward()
+        return out, x.grad
+
+    want, want_grad = run(ids)
+    monkeypatch.setattr(module, "host_checks", lambda device=None: False)
+    got, got_grad = run(bad_ids)
+    assert torch.isnan(got[1, 2]) and not torch.isnan(want).any()
+    others = ~torch.isnan(got)
+    assert torch.equal(got[others], want[others])
+    assert torch.equal(got_grad[0], want_grad[0]) and torch.equal(got_grad[1, :2], want_grad[1, :2])
+    with pytest.raises(ValueError, match=r"TopK ids must lie in \[0, V\) or be -1 \(padding\); found 99"):
+        kltriton.check_inputs()
+    kltriton.check_inputs()  # cleared
+
+
+def test_set_columns_writes_exactly_the_written_entries():
+    """``tiles.set_columns`` (one scatter over every entry, no host read) writes ``values`` at the ids ``>= 0`` of the
+    scored rows and leaves every other entry as it was: padding beside a real id 0, a row of padding only, an
+    unscored row."""
+    from kltriton.kernels.linear import tiles
+
+    gen = torch.Generator().manual_seed(36)
+    grad = torch.randn(5, 9, generator=gen).bfloat16()
+    ids = torch.tensor([[3, -1, 0], [-1, -1, -1], [2, 5, 7], [0, 4, -1], [1, 8, 6]])
+    ok = torch.tensor([True, True, False, True, True])
+    values = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    want = grad.clone()
+    for n in range(5):
+        for k in range(3):
+            if ok[n] and ids[n, k] >= 0:
+                want[n, ids[n, k]] = values[n, k].to(grad.dtype)
+    tiles.set_columns(grad, ids, ok, values)
+    assert torch.equal(grad, want)
+
+
 def test_topk_k_equals_v_is_dense_and_k_one(backend):
     """``K = V``: both tails give the dense divergence (the bucket is empty). ``K = 1``: the renormalized
     distributions are equal (0) and the bucket compares ``(t, 1 - t)`` with ``(s, 1 - s)``."""

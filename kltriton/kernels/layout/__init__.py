@@ -46,6 +46,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from kltriton.kernels import constants
+
+_SLOT = {name: i for i, name in enumerate(constants.FLAG_SLOTS)}
+
 
 class RowWeights(NamedTuple):
     """``target_weights``' request (see above)."""
@@ -58,6 +62,15 @@ class RowWeights(NamedTuple):
     kl_coef: float
     entropy_coef: float
     dtype: torch.dtype = torch.float32  # of ``prepared``: float64 on the reference backend (float64 logits) only
+
+
+def record(flags, bit, condition, slots=()):
+    """``flags[bits] |= bit`` where ``condition`` (0-dim bool) holds, and ``slots`` (name -> 0-dim value) stored: a
+    check recorded by PyTorch ops, without a host read (the reference backend's, and ``TopK`` ids')."""
+    hit = condition.to(torch.int64)
+    flags[_SLOT["bits"]] = flags[_SLOT["bits"]] | (hit * bit)
+    for name, value in slots:
+        flags[_SLOT[name]] = torch.where(condition, value.to(torch.int64), flags[_SLOT[name]])
 
 
 def composed_target_rows(target, scored_rows):

@@ -8,10 +8,9 @@ import torch
 from kltriton.kernels import OUT_OF_RANGE, SKIP, constants
 from kltriton.kernels.epilogue import Rows
 from kltriton.kernels.epilogue.reference import sequences
-from kltriton.kernels.layout import composed_target_rows
+from kltriton.kernels.layout import composed_target_rows, record
 from kltriton.kernels.loss.weights import aggregation_weights
 
-_SLOT = {name: i for i, name in enumerate(constants.FLAG_SLOTS)}
 
 
 def shift_left(tensor, fill, sequence_ends, following=None):
@@ -38,14 +37,6 @@ def segment_ends(cu_seqlens, n):
     return ends
 
 
-def _record(flags, bit, condition, slots=()):
-    """``flags[bits] |= bit`` where ``condition`` (0-dim bool) holds, and ``slots`` (name -> 0-dim value) stored."""
-    hit = condition.to(torch.int64)
-    flags[_SLOT["bits"]] = flags[_SLOT["bits"]] | (hit * bit)
-    for name, value in slots:
-        flags[_SLOT[name]] = torch.where(condition, value.to(torch.int64), flags[_SLOT[name]])
-
-
 def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift, flags, following=(None, None),
            ends=None):
     packed = cu_seqlens is not None or ends is not None
@@ -53,12 +44,12 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
     mask = None if mask2d is None else (mask2d != 0).reshape(labels.shape)
     n = labels.numel()
     if flags is not None and temperature is not None:
-        _record(flags, constants.BAD_TEMPERATURE, ~((temperature > 0) & torch.isfinite(temperature)).all())
+        record(flags, constants.BAD_TEMPERATURE, ~((temperature > 0) & torch.isfinite(temperature)).all())
     if flags is not None and cu_seqlens is not None:
         first, last = cu_seqlens[0], cu_seqlens[-1]
-        _record(flags, constants.BAD_CU_SEQLENS_ENDS, (first != 0) | (last != n), (("cu_first", first),
+        record(flags, constants.BAD_CU_SEQLENS_ENDS, (first != 0) | (last != n), (("cu_first", first),
                                                                                    ("cu_last", last)))
-        _record(flags, constants.BAD_CU_SEQLENS_ORDER, (cu_seqlens[1:] < cu_seqlens[:-1]).any())
+        record(flags, constants.BAD_CU_SEQLENS_ORDER, (cu_seqlens[1:] < cu_seqlens[:-1]).any())
     if shift and n:
         if ends is None and cu_seqlens is not None:
             ends = segment_ends(cu_seqlens, n)
@@ -71,7 +62,7 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
     in_range = (labels >= 0) & (labels < vocab)
     bad = (scored & ~in_range).reshape(-1)
     if flags is not None and n:
-        _record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1)[bad.to(torch.int8).argmax()]),))
+        record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1)[bad.to(torch.int8).argmax()]),))
     return torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
 

@@ -452,21 +452,33 @@ def _column_values(side, rows, cols, weight_rows):
 def column_logits(side, ids, ok, tile_elements):
     """``[N, K]`` logits of ``side`` (a ``Side``: dense logits or a projection) at ``ids [N, K]`` for the rows where
     ``ok`` (0 elsewhere; padding ids ``-1`` give ``-inf``), in the accumulation dtype: a ``K``-column gather, never a
-    logits tile (``O(N K H)`` work for a projection)."""
+    logits tile (``O(N K H)`` work for a projection, over the scored rows: one host read, their count). Dense
+    logits: one gather over every row, no host read."""
     acc = accumulation_dtype(side.x.dtype)
-    out = torch.zeros(ids.shape, dtype=acc, device=ids.device)
-    for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
-        out[rows] = _column_values(side, rows, cols, weight_rows)
+    if side.weight is None:
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        out = torch.where(ok[:, None], side.x.detach()[_entries(side.x, rows, ids.clamp(min=0))].to(acc), 0)
+    else:
+        out = torch.zeros(ids.shape, dtype=acc, device=ids.device)
+        for rows, cols, weight_rows in _column_chunks(side, ids, ok, tile_elements):
+            out[rows] = _column_values(side, rows, cols, weight_rows)
     return out.masked_fill_(ok[:, None] & (ids < 0), float("-inf"))
 
 
 def set_columns(grad, ids, ok, values):
-    """``grad[n, ids[n, k]] = values[n, k]`` for the rows where ``ok`` and the ids ``>= 0`` (``grad [..., V]``, in
-    place): a dense logits gradient whose ``K`` columns were computed elsewhere, rounded to its dtype once."""
+    """``grad[n, ids[n, k]] = values[n, k]`` for the rows where ``ok`` and the ids ``>= 0`` (``grad [..., V]``
+    contiguous, in place; the ids of a row distinct, as ``TopK`` makes them): a dense logits gradient whose ``K``
+    columns were computed elsewhere, rounded to its dtype once. One scatter over every entry, no host read: an entry
+    that writes nothing writes again what its row's first written entry writes (or, in a row without one, column
+    0's own value), so that every write to a column is the same."""
     write = ok[:, None] & (ids >= 0)
-    rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)[write]
     flat = grad.view(-1, grad.shape[-1])
-    flat[rows, ids[write]] = values[write].to(grad.dtype)
+    src = values.to(grad.dtype)
+    first = write.to(torch.int8).argmax(1, keepdim=True)
+    any_write = write.any(1, keepdim=True)
+    column = torch.where(any_write, ids.gather(1, first), 0)
+    value = torch.where(any_write, src.gather(1, first), flat[:, :1])
+    flat.scatter_(1, torch.where(write, ids, column), torch.where(write, src, value))
 
 
 def _nan_at_out_of_range(stats, target):
