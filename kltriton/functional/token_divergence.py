@@ -134,7 +134,7 @@ def _topk_ids(teacher: TopK, vocab):
             raise ValueError(f"teacher TopK ids must lie in [0, V={vocab}) or be -1 (padding); found "
                              f"{ids[bad][0].item()}")
         return ids, None
-    first_bad = ids.reshape(-1)[bad.reshape(-1).to(torch.int8).argmax()]
+    first_bad = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())  # (indexing by a tensor reads it)
     record(flag_vector(ids.device), constants.BAD_TOPK_ID, bad.any(), (("topk_id", first_bad),))
     return ids.masked_fill(bad, -1), bad.any(1)
 

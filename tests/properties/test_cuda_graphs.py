@@ -34,6 +34,9 @@ def _values(seed):
                   scores=torch.randn(B, generator=gen), g=torch.randn(B, T, generator=gen),
                   hidden=torch.randn(B, T, H, generator=gen).bfloat16(),
                   weight=(0.2 * torch.randn(V, H, generator=gen)).bfloat16())
+    teacher = values["ref"].float()
+    values["top_ids"] = (teacher + torch.rand(teacher.shape, generator=gen)).topk(8, -1).indices
+    values["top_logprobs"] = teacher.log_softmax(-1).gather(-1, values["top_ids"])
     return {name: t.to(TEST_DEVICE).requires_grad_(name in LEAVES) for name, t in values.items()}
 
 
@@ -67,12 +70,19 @@ def token_divergence(t):
     return (loss, *torch.autograd.grad(loss * 0.6, t["x"]))
 
 
+def topk_teacher(t):
+    teacher = kltriton.TopK(t["top_ids"], t["top_logprobs"])
+    loss = kltriton.token_divergence(t["x"], teacher, t["labels"], mask=t["mask"], reduction="batchmean",
+                                     divergence="forward_kl", **TRITON)
+    return (loss, *torch.autograd.grad(loss * 0.6, t["x"]))
+
+
 def linear_logits(t):
     logp = kltriton.token_logprobs(kltriton.LinearLogits(t["hidden"], t["weight"]), t["labels"], **TRITON)
     return (logp, *torch.autograd.grad((logp * t["g"]).sum(), (t["hidden"], t["weight"])))
 
 
-CASES = (token_logprobs, token_kl, fused_kl_reward, policy_loss, token_divergence, linear_logits)
+CASES = (token_logprobs, token_kl, fused_kl_reward, policy_loss, token_divergence, topk_teacher, linear_logits)
 
 
 def _eager(case, values):

@@ -62,7 +62,7 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
     in_range = (labels >= 0) & (labels < vocab)
     bad = (scored & ~in_range).reshape(-1)
     if flags is not None and n:
-        record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1)[bad.to(torch.int8).argmax()]),))
+        record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1).take(bad.to(torch.int8).argmax())),))
     return torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
 
