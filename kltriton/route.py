@@ -247,7 +247,10 @@ def truncated_statistics(call: Call, request: int) -> StreamStats:
     truncation = call.truncation
     if truncation.replay:
         name = backend(call, "truncation")
-        ids = truncation_ops.replay_support(truncation.support_rows(layout.shape, device, vocab), name)
+        rows, bad_rows = truncation.support_rows(layout.shape, device, vocab)
+        if bad_rows is not None:  # a support id outside [-1, V), recorded on a device: its row scored as NaN
+            target = torch.where(bad_rows & (target >= 0), OUT_OF_RANGE, target)
+        ids = truncation_ops.replay_support(rows, name)
         own = ids if shard is None else replay.shard_ids(ids, shard.start, shard.size)
         if side.weight is not None:
             if group is not None:

@@ -11,7 +11,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton._inputs import host_checks
+from kltriton._inputs import host_checks, validating
+from kltriton.kernels import constants
+from kltriton.kernels.layout import record
+from kltriton.ops.layout import flag_vector
 
 
 class RowKnobs(NamedTuple):
@@ -139,9 +142,13 @@ class Truncation:
         min_p = expand("min_p", self.min_p, 0.0, torch.float64).clamp(min=0.0)
         return RowKnobs(top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
 
-    def support_rows(self, shape, device, vocab) -> torch.Tensor:
-        """``support`` as ``[N, K]`` int64 ids (``-1`` padding), checked against the logits' leading shape and
-        the vocabulary ``[0, vocab)``."""
+    def support_rows(self, shape, device, vocab):
+        """``(ids, bad_rows)``: ``support`` as ``[N, K]`` int64 ids (``-1`` padding), checked against the logits'
+        leading shape and the vocabulary ``[0, vocab)``, and ``[N]`` bool, the rows that held an id outside
+        ``[-1, V)`` (None: none can). With validation on such an id raises at once on CPU (or with
+        ``set_validation("sync")``); on a device it is recorded in the device's flag vector
+        (``kltriton.check_inputs()`` raises it) and read as padding, and the caller scores its row as NaN: no host
+        read."""
         ids = self.support
         if tuple(ids.shape[:-1]) != tuple(shape):
             raise ValueError(f"support must have shape [*S, K] with S = {tuple(shape)} (the logits' leading shape), "
@@ -151,11 +158,18 @@ class Truncation:
         if ids.shape[-1] == 0:
             raise ValueError("support must hold at least one id per position (K >= 1)")
         ids = ids.reshape(-1, ids.shape[-1]).long()
-        low, high = ids.aminmax() if host_checks() and ids.numel() else (None, None)
-        if low is not None and (low.item() < -1 or high.item() >= vocab):  # one pass over the ids, not four
-            bad = ids[(ids < -1) | (ids >= vocab)][0].item()
-            raise ValueError(f"support ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
-        return ids.contiguous()
+        if not (validating() and ids.numel()):
+            return ids.contiguous(), None
+        if host_checks(ids.device):
+            low, high = ids.aminmax()
+            if low.item() < -1 or high.item() >= vocab:  # one pass over the ids, not four
+                bad = ids[(ids < -1) | (ids >= vocab)][0].item()
+                raise ValueError(f"support ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
+            return ids.contiguous(), None
+        bad = (ids < -1) | (ids >= vocab)
+        first_bad = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())
+        record(flag_vector(ids.device), constants.BAD_SUPPORT_ID, bad.any(), (("support_id", first_bad),))
+        return ids.masked_fill(bad, -1).contiguous(), bad.any(1)
 
 
 def check_truncation(truncation) -> Optional[Truncation]:

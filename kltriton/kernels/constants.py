@@ -13,9 +13,11 @@ OUT_OF_RANGE = -2  # scored, but the label lies outside [0, V) (validation off):
 # --- the layout family: what a target kernel found wrong in its inputs (kltriton.kernels.layout), one bit each,
 # ORed into a per-device int64 flag vector of FLAG_SLOTS entries (validation without a host read on a device).
 BAD_LABEL, BAD_CU_SEQLENS_ENDS, BAD_CU_SEQLENS_ORDER, BAD_TEMPERATURE = 1, 2, 4, 8
-BAD_TOPK_ID = 16  # a TopK teacher's id outside [-1, V) (recorded by PyTorch ops, kltriton.functional.token_divergence)
-# the bits, a bad label, cu_seqlens' first and last offsets, a bad TopK id
-FLAG_SLOTS = ("bits", "label", "cu_first", "cu_last", "topk_id")
+# An id outside [-1, V) of a TopK teacher or of a replay support (recorded by PyTorch ops: kltriton.functional.
+# token_divergence, kltriton.truncation)
+BAD_TOPK_ID, BAD_SUPPORT_ID = 16, 32
+# the bits, a bad label, cu_seqlens' first and last offsets, a bad TopK id, a bad support id
+FLAG_SLOTS = ("bits", "label", "cu_first", "cu_last", "topk_id", "support_id")
 
 # --- the stream family's statistics (kltriton.kernels.statistics declares what each one means) ---
 # Request bits: a forward computes the statistics whose bit is in its request (0: always computed).

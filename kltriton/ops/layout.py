@@ -54,6 +54,9 @@ def _flag_message(values, context, device) -> str:
     if bits & constants.BAD_TOPK_ID:
         return (f"teacher TopK ids must lie in [0, V) or be -1 (padding); found {values['topk_id']}{earlier} (the "
                 f"position gave NaN)")
+    if bits & constants.BAD_SUPPORT_ID:
+        return (f"support ids must lie in [0, V) or be -1 (padding); found {values['support_id']}{earlier} (the "
+                f"position gave NaN)")
     if bits & constants.BAD_CU_SEQLENS_ENDS:
         n = f"N={context['n']}" if context else "N"
         where = " (every rank's packed tokens: the offsets are global under a sequence_group)" if context and \
@@ -73,8 +76,8 @@ def _flag_message(values, context, device) -> str:
 
 def check_inputs() -> None:
     """Raise the ``ValueError`` of a bad input value (a label outside ``[0, V)`` that is not ``ignore_index``, a
-    malformed ``cu_seqlens``, a temperature that is not ``> 0`` and finite, a ``TopK`` id outside ``[-1, V)``) that a
-    kltriton call found on a device since the last check, and clear the record. It reads each device's flag vector: a synchronization, so call it
+    malformed ``cu_seqlens``, a temperature that is not ``> 0`` and finite, a ``TopK`` or replay support id outside
+    ``[-1, V)``) that a kltriton call found on a device since the last check, and clear the record. It reads each device's flag vector: a synchronization, so call it
     where the training loop synchronizes anyway (after ``loss.item()``, at logging). On CPU every call raises at
     once and there is nothing left to raise here."""
     for device in list(_FLAGS):

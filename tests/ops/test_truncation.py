@@ -230,6 +230,35 @@ def test_replay_padding_and_repeats_against_float64(tbackend, dtype):
     assert_close(grad, expected, 4 * tol * 2, STORE_RTOL[dtype], what="grad")
 
 
+def test_replay_bad_support_id_on_a_device_is_flagged_without_a_host_read(tbackend, monkeypatch):
+    """On a device a support id outside ``[-1, V)`` is not read on the host: it is recorded in the device's flag vector,
+    its position gives NaN (no gradient), every other position and its gradient are the call's without it, and
+    ``kltriton.check_inputs()`` raises it (once). Run on CPU with the host check off, as on a device (on CPU the call
+    raises at once)."""
+    gen = torch.Generator().manual_seed(21)  # (a seed whose rows keep 3 ids or more: _replay_case repeats three)
+    logits, support, labels = _replay_case(gen, torch.float32)
+    bad = support.clone()
+    bad[4, 1] = 401 + 76
+
+    def run(ids):
+        x = logits.clone().requires_grad_()
+        logp = kltriton.token_logprobs(x, labels, backend=tbackend, truncation=kltriton.Truncation(support=ids))
+        logp.masked_fill(~torch.isfinite(logp), 0).sum().backward()
+        return logp, x.grad
+
+    want, want_grad = run(support)
+    with pytest.raises(ValueError, match="support ids must lie in"):
+        run(bad)
+    monkeypatch.setattr(kltriton.truncation, "host_checks", lambda device=None: False)
+    got, got_grad = run(bad)
+    others = torch.arange(len(labels)) != 4
+    assert torch.isnan(got[4]) and not torch.isnan(want).any() and bool((got_grad[4] == 0).all())
+    assert torch.equal(got[others], want[others]) and torch.equal(got_grad[others], want_grad[others])
+    with pytest.raises(ValueError, match=r"support ids must lie in \[0, V\) or be -1 \(padding\); found 477"):
+        kltriton.check_inputs()
+    kltriton.check_inputs()  # cleared
+
+
 @pytest.mark.parametrize("loss_type", ("ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo", "gpg", "clip_cov",
                                        "kl_cov", "geo_mean", "dppo_tv", "vespo"))
 def test_replay_policy_loss_gradient_is_finite_and_drops_empty_rows(tbackend, loss_type):
