@@ -10,6 +10,8 @@ import torch
 
 from kltriton import collectives, dispatch
 from kltriton._values import runtime_scalar
+from kltriton.kernels import constants
+from kltriton.kernels.layout import record
 from kltriton.kernels.layout import reference as layout_reference
 from kltriton.ops import layout as layout_ops
 from kltriton.ops._define import eager
@@ -52,6 +54,27 @@ def host_checks(device=None) -> bool:
     if _VALIDATE == "sync" or device is None:
         return True
     return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
+
+
+def checked_ids(ids, vocab, name: str):
+    """``(ids, bad_rows)`` of ``[N, K]`` int64 ``ids`` that must lie in ``[-1, vocab)`` (``name``: ``"TopK"`` or
+    ``"support"``): ``bad_rows`` ``[N]`` bool, the rows that held another id (None: none can). With validation on
+    such an id raises at once on CPU (or with ``set_validation("sync")``); on a device it is recorded in the device's
+    flag vector (``kltriton.check_inputs()`` raises it) and read as padding (``-1``), and the caller scores its row as
+    NaN: no host read."""
+    if not (validating() and ids.numel()):
+        return ids, None
+    if host_checks(ids.device):
+        low, high = ids.aminmax()
+        if low.item() < -1 or high.item() >= vocab:  # one pass over the ids, not four
+            found = ids[(ids < -1) | (ids >= vocab)][0].item()
+            raise ValueError(f"{name} ids must lie in [0, V={vocab}) or be -1 (padding); found {found}")
+        return ids, None
+    bad = (ids < -1) | (ids >= vocab)
+    first = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())  # (indexing by a tensor would read it)
+    bit, slot = {"TopK": (constants.BAD_TOPK_ID, "topk_id"), "support": (constants.BAD_SUPPORT_ID, "support_id")}[name]
+    record(flag_vector(ids.device), bit, bad.any(), ((slot, first),))
+    return ids.masked_fill(bad, -1), bad.any(1)
 
 
 def check_logits(logits, name="logits"):

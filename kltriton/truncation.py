@@ -11,10 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kltriton._inputs import host_checks, validating
-from kltriton.kernels import constants
-from kltriton.kernels.layout import record
-from kltriton.ops.layout import flag_vector
+from kltriton._inputs import checked_ids, host_checks
 
 
 class RowKnobs(NamedTuple):
@@ -144,11 +141,8 @@ class Truncation:
 
     def support_rows(self, shape, device, vocab):
         """``(ids, bad_rows)``: ``support`` as ``[N, K]`` int64 ids (``-1`` padding), checked against the logits'
-        leading shape and the vocabulary ``[0, vocab)``, and ``[N]`` bool, the rows that held an id outside
-        ``[-1, V)`` (None: none can). With validation on such an id raises at once on CPU (or with
-        ``set_validation("sync")``); on a device it is recorded in the device's flag vector
-        (``kltriton.check_inputs()`` raises it) and read as padding, and the caller scores its row as NaN: no host
-        read."""
+        leading shape and the vocabulary ``[0, vocab)`` (``_inputs.checked_ids``: on a device without a host read,
+        ``bad_rows`` the rows the caller scores as NaN)."""
         ids = self.support
         if tuple(ids.shape[:-1]) != tuple(shape):
             raise ValueError(f"support must have shape [*S, K] with S = {tuple(shape)} (the logits' leading shape), "
@@ -157,19 +151,8 @@ class Truncation:
             raise ValueError(f"support is on {ids.device} but logits are on {device}")
         if ids.shape[-1] == 0:
             raise ValueError("support must hold at least one id per position (K >= 1)")
-        ids = ids.reshape(-1, ids.shape[-1]).long()
-        if not (validating() and ids.numel()):
-            return ids.contiguous(), None
-        if host_checks(ids.device):
-            low, high = ids.aminmax()
-            if low.item() < -1 or high.item() >= vocab:  # one pass over the ids, not four
-                bad = ids[(ids < -1) | (ids >= vocab)][0].item()
-                raise ValueError(f"support ids must lie in [0, V={vocab}) or be -1 (padding); found {bad}")
-            return ids.contiguous(), None
-        bad = (ids < -1) | (ids >= vocab)
-        first_bad = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())
-        record(flag_vector(ids.device), constants.BAD_SUPPORT_ID, bad.any(), (("support_id", first_bad),))
-        return ids.masked_fill(bad, -1).contiguous(), bad.any(1)
+        ids, bad_rows = checked_ids(ids.reshape(-1, ids.shape[-1]).long(), vocab, "support")
+        return ids.contiguous(), bad_rows
 
 
 def check_truncation(truncation) -> Optional[Truncation]:

@@ -12,14 +12,13 @@ from typing import Optional
 import torch
 
 from kltriton import route
-from kltriton._inputs import host_checks, validating
+from kltriton._inputs import checked_ids
 from kltriton._values import check_float, runtime_scalar
 from kltriton.front_door import enter
-from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype, constants
-from kltriton.kernels.layout import RowWeights, record
+from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
+from kltriton.kernels.layout import RowWeights
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.loss.weights import Sequences
-from kltriton.ops.layout import flag_vector
 from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -121,22 +120,9 @@ def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, 
 
 
 def _topk_ids(teacher: TopK, vocab):
-    """``(ids, bad_rows)``: ``[N, K]`` int64 ids, and ``[N]`` bool, the rows that held an id outside ``[-1, V)``
-    (None: none can). With validation on such an id raises at once on CPU (or with ``set_validation("sync")``); on
-    a device it is recorded in the device's flag vector (``kltriton.check_inputs()`` raises it), read as padding,
-    and its row gives NaN: no host read."""
-    ids = teacher.ids.reshape(-1, teacher.ids.shape[-1]).long()
-    if not (validating() and ids.numel()):
-        return ids, None
-    bad = (ids < -1) | (ids >= vocab)
-    if host_checks(ids.device):
-        if bool(bad.any()):
-            raise ValueError(f"teacher TopK ids must lie in [0, V={vocab}) or be -1 (padding); found "
-                             f"{ids[bad][0].item()}")
-        return ids, None
-    first_bad = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())  # (indexing by a tensor reads it)
-    record(flag_vector(ids.device), constants.BAD_TOPK_ID, bad.any(), (("topk_id", first_bad),))
-    return ids.masked_fill(bad, -1), bad.any(1)
+    """``(ids, bad_rows)``: ``[N, K]`` int64 ids checked to lie in ``[-1, V)`` (``_inputs.checked_ids``: on a device
+    without a host read, ``bad_rows`` the rows scored as NaN)."""
+    return checked_ids(teacher.ids.reshape(-1, teacher.ids.shape[-1]).long(), vocab, "TopK")
 
 
 # --- public function ----------------------------------------------------------------------------------------------

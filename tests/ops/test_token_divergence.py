@@ -429,7 +429,7 @@ def test_topk_bad_id_on_a_device_is_flagged_without_a_host_read(backend, monkeyp
     vector and read as padding, its position gives NaN, every other position and the gradient there are the call's
     without it, and ``kltriton.check_inputs()`` raises it (once). Run on CPU with the host check off, as on a
     device (on CPU the call raises at once: ``test_bad_input``)."""
-    from kltriton.functional import token_divergence as module
+    from kltriton import _inputs
 
     gen = torch.Generator().manual_seed(35)
     student = random_logits((2, 3, 50), torch.float32, generator=gen)
@@ -445,7 +445,7 @@ def test_topk_bad_id_on_a_device_is_flagged_without_a_host_read(backend, monkeyp
         return out, x.grad
 
     want, want_grad = run(ids)
-    monkeypatch.setattr(module, "host_checks", lambda device=None: False)
+    monkeypatch.setattr(_inputs, "host_checks", lambda device=None: False)
     got, got_grad = run(bad_ids)
     assert torch.isnan(got[1, 2]) and not torch.isnan(want).any()
     others = ~torch.isnan(got)

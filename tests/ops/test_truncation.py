@@ -249,7 +249,7 @@ def test_replay_bad_support_id_on_a_device_is_flagged_without_a_host_read(tbacke
     want, want_grad = run(support)
     with pytest.raises(ValueError, match="support ids must lie in"):
         run(bad)
-    monkeypatch.setattr(kltriton.truncation, "host_checks", lambda device=None: False)
+    monkeypatch.setattr(kltriton._inputs, "host_checks", lambda device=None: False)
     got, got_grad = run(bad)
     others = torch.arange(len(labels)) != 4
     assert torch.isnan(got[4]) and not torch.isnan(want).any() and bool((got_grad[4] == 0).all())
