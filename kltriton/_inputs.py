@@ -56,6 +56,10 @@ def host_checks(device=None) -> bool:
     return (device if isinstance(device, torch.device) else torch.device(device)).type == "cpu"
 
 
+# What ``checked_ids`` records on a device, per kind of ids: the flag bit and the slot of the first bad id.
+_ID_FLAGS = {"TopK": (constants.BAD_TOPK_ID, "topk_id"), "support": (constants.BAD_SUPPORT_ID, "support_id")}
+
+
 def checked_ids(ids, vocab, name: str):
     """``(ids, bad_rows)`` of ``[N, K]`` int64 ``ids`` that must lie in ``[-1, vocab)`` (``name``: ``"TopK"`` or
     ``"support"``): ``bad_rows`` ``[N]`` bool, the rows that held another id (None: none can). With validation on
@@ -72,7 +76,7 @@ def checked_ids(ids, vocab, name: str):
         return ids, None
     bad = (ids < -1) | (ids >= vocab)
     first = ids.reshape(-1).take(bad.reshape(-1).to(torch.int8).argmax())  # (indexing by a tensor would read it)
-    bit, slot = {"TopK": (constants.BAD_TOPK_ID, "topk_id"), "support": (constants.BAD_SUPPORT_ID, "support_id")}[name]
+    bit, slot = _ID_FLAGS[name]
     record(flag_vector(ids.device), bit, bad.any(), ((slot, first),))
     return ids.masked_fill(bad, -1), bad.any(1)
 

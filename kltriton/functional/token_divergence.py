@@ -19,7 +19,6 @@ from kltriton.kernels import OUT_OF_RANGE, SKIP, accumulation_dtype
 from kltriton.kernels.layout import RowWeights
 from kltriton.kernels.loss import LossInputs, terms
 from kltriton.kernels.loss.weights import Sequences
-from kltriton.topk import TopK
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TAILS = ("bucket", "renormalize", "none")
@@ -119,12 +118,6 @@ def topk_divergence(student_logp, teacher_logp, valid, kind, beta, tail, vocab, 
     return _jsd(ls, lt, beta)
 
 
-def _topk_ids(teacher: TopK, vocab):
-    """``(ids, bad_rows)``: ``[N, K]`` int64 ids checked to lie in ``[-1, V)`` (``_inputs.checked_ids``: on a device
-    without a host read, ``bad_rows`` the rows scored as NaN)."""
-    return checked_ids(teacher.ids.reshape(-1, teacher.ids.shape[-1]).long(), vocab, "TopK")
-
-
 # --- public function ----------------------------------------------------------------------------------------------
 
 def token_divergence(
@@ -215,7 +208,8 @@ def token_divergence(
     beta_t = runtime_scalar(beta, call.device)
 
     if call.topk is not None:
-        ids, bad_rows = _topk_ids(call.topk, call.vocab)
+        # ids in [-1, V), checked without a host read on a device (``bad_rows``: scored as NaN)
+        ids, bad_rows = checked_ids(call.topk.ids.reshape(-1, call.topk.ids.shape[-1]).long(), call.vocab, "TopK")
         student_logp, entropy = route.columns(call, ids, return_entropy)
         value = topk_divergence(student_logp, call.topk.logprobs.detach().reshape(ids.shape), ids >= 0, kind, beta_t,
                                 tail, call.vocab, call.topk.min_logprob).to(acc)

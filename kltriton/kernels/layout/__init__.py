@@ -66,7 +66,7 @@ class RowWeights(NamedTuple):
 
 def record(flags, bit, condition, slots=()):
     """``flags[bits] |= bit`` where ``condition`` (0-dim bool) holds, and ``slots`` (name -> 0-dim value) stored: a
-    check recorded by PyTorch ops, without a host read (the reference backend's, and ``TopK`` ids')."""
+    check recorded by PyTorch ops, without a host read (the reference backend's, and ``_inputs.checked_ids``')."""
     hit = condition.to(torch.int64)
     flags[_SLOT["bits"]] = flags[_SLOT["bits"]] | (hit * bit)
     for name, value in slots:

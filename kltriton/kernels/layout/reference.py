@@ -12,7 +12,6 @@ from kltriton.kernels.layout import composed_target_rows, record
 from kltriton.kernels.loss.weights import aggregation_weights
 
 
-
 def shift_left(tensor, fill, sequence_ends, following=None):
     """``tensor[..., t + 1]`` at position ``t`` along the last dim; ``fill`` where no next token exists. ``following``:
     the values after the last position (the next rank's first ones, ``tensor.shape[:-1]``), else ``fill``.
@@ -47,8 +46,8 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
         record(flags, constants.BAD_TEMPERATURE, ~((temperature > 0) & torch.isfinite(temperature)).all())
     if flags is not None and cu_seqlens is not None:
         first, last = cu_seqlens[0], cu_seqlens[-1]
-        record(flags, constants.BAD_CU_SEQLENS_ENDS, (first != 0) | (last != n), (("cu_first", first),
-                                                                                   ("cu_last", last)))
+        record(flags, constants.BAD_CU_SEQLENS_ENDS, (first != 0) | (last != n),
+               (("cu_first", first), ("cu_last", last)))
         record(flags, constants.BAD_CU_SEQLENS_ORDER, (cu_seqlens[1:] < cu_seqlens[:-1]).any())
     if shift and n:
         if ends is None and cu_seqlens is not None:
@@ -62,7 +61,8 @@ def target(labels2d, mask2d, cu_seqlens, temperature, ignore_index, vocab, shift
     in_range = (labels >= 0) & (labels < vocab)
     bad = (scored & ~in_range).reshape(-1)
     if flags is not None and n:
-        record(flags, constants.BAD_LABEL, bad.any(), (("label", labels.reshape(-1).take(bad.to(torch.int8).argmax())),))
+        first_bad = labels.reshape(-1).take(bad.to(torch.int8).argmax())  # (indexing by a tensor would read it)
+        record(flags, constants.BAD_LABEL, bad.any(), (("label", first_bad),))
     return torch.where(scored, torch.where(in_range, labels, OUT_OF_RANGE), SKIP).reshape(-1)
 
 
